@@ -1,0 +1,58 @@
+"""The `ee-transformers` command: convert, fetch-assets, fit, calibrate, bench, demo.
+
+Each subcommand's module owns its argument parser (`main(argv)`); this file only dispatches, importing lazily so that
+`ee-transformers convert --help` does not pay for the training stack.
+"""
+
+import argparse
+import importlib
+import sys
+
+SUBCOMMANDS = {
+    "convert": ("ee_transformers.cli", "convert_main", "build an early-exit folder from a plain checkpoint"),
+    "fetch-assets": ("ee_transformers.assets", "main", "fetch SmolLM2-135M and real English text (cached)"),
+    "fit": ("training.fit_exit_heads", "main", "fit exit heads (same as python training/fit_exit_heads.py)"),
+    "calibrate": ("training.calibrate", "main", "choose exits and thresholds for a quality target"),
+    "bench": ("ee_transformers.bench", "main", "benchmark early exit against plain transformers generate"),
+    "demo": ("ee_transformers.demo", "main", "the main job: fetch, convert, fit, calibrate, compare side by side"),
+}
+
+
+def convert_main(argv=None):
+    parser = argparse.ArgumentParser(prog="ee-transformers convert",
+                                     description="Build an early-exit model folder from a plain checkpoint folder.")
+    parser.add_argument("base", help="plain Llama / Mistral / Qwen2 / Qwen3 checkpoint folder")
+    parser.add_argument("out", help="output folder (loads with trust_remote_code=True)")
+    parser.add_argument("--exit-layers", required=True,
+                        help="comma-separated 0-based decoder layers after which an exit head sits, e.g. 7,15,22")
+    parser.add_argument("--exit-head", default="norm", choices=["norm", "adapter"])
+    parser.add_argument("--exit-adapter-rank", type=int, default=64)
+    args = parser.parse_args(argv)
+    try:
+        exit_layers = [int(x) for x in args.exit_layers.split(",") if x.strip()]
+    except ValueError:
+        parser.error(f"--exit-layers must be comma-separated integers, got {args.exit_layers!r}")
+    from . import from_base
+
+    try:
+        model = from_base(args.base, exit_layers=exit_layers, exit_head=args.exit_head,
+                          exit_adapter_rank=args.exit_adapter_rank)
+    except ValueError as error:
+        parser.exit(2, f"ee-transformers convert: error: {error}\n")
+    model.save_pretrained(args.out)
+    print(f"Wrote {args.out}: {type(model).__name__} with exits after layers {model.config.exit_layers}")
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUBCOMMANDS:
+        lines = [f"  {name:<13} {help_}" for name, (_, _, help_) in SUBCOMMANDS.items()]
+        print("usage: ee-transformers COMMAND [ARGS]\n\ncommands:\n" + "\n".join(lines))
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    module, function, _ = SUBCOMMANDS[argv[0]]
+    result = getattr(importlib.import_module(module), function)(argv[1:])
+    return result if isinstance(result, int) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
