@@ -101,7 +101,12 @@ def _install(staging: Path, final: Path) -> None:
     if final.exists():
         old = final.with_name(f".{final.name}.old-{os.getpid()}-{time.time_ns()}")
         os.replace(final, old)
-    os.replace(staging, final)
+    try:
+        os.replace(staging, final)
+    except OSError:
+        if not final.exists():
+            raise
+        logger.info("%s was installed concurrently by another process; keeping that copy", final)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -658,7 +663,7 @@ def _python_docs_text(work: Path) -> tuple[str, str]:
             raise RuntimeError(f"{package} has no usr/share/info/python3*.info*.gz")
         text = "".join(gzip.decompress(p.read_bytes()).decode("utf-8", "replace") for p in infos)
         return clean_info_text(text), f"Debian package {deb.name} ({', '.join(p.name for p in infos)})"
-    except RuntimeError as err:
+    except (RuntimeError, OSError, EOFError) as err:  # no apt, no such package, or an unreadable archive
         logger.warning("using pydoc_data.topics instead of the Python manual (%s)", err)
         return _pydoc_topics_text(), f"pydoc_data.topics of Python {sys.version.split()[0]} (fallback: {err})"
 
@@ -734,6 +739,37 @@ def fetch_assets(cache_dir: str | os.PathLike | None = None, force: bool = False
     return {"model": model, **text}
 
 
+def main(argv: list[str] | None = None) -> int:
+    """``ee-transformers fetch-assets [--cache-dir DIR] [--force] [--model-only | --text-only]``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="ee-transformers fetch-assets",
+                                     description="Fetch SmolLM2-135M-Instruct and real English text into a cache.")
+    parser.add_argument("--cache-dir", default=None,
+                        help="cache folder (default: $EE_TRANSFORMERS_CACHE or ~/.cache/ee-transformers)")
+    parser.add_argument("--force", action="store_true", help="rebuild even if already cached")
+    only = parser.add_mutually_exclusive_group()
+    only.add_argument("--model-only", action="store_true", help="fetch only the model")
+    only.add_argument("--text-only", action="store_true", help="fetch only the text")
+    args = parser.parse_args(argv)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        if args.model_only:
+            print(fetch_model(args.cache_dir, force=args.force))
+        elif args.text_only:
+            for group, paths in fetch_text(args.cache_dir, force=args.force).items():
+                print(group, *paths, sep="\n  ")
+        else:
+            found = fetch_assets(args.cache_dir, force=args.force)
+            print(f"model: {found['model']}")
+            for group in ("austen", "python"):
+                print(f"{group}:", *found[group], sep="\n  ")
+    except RuntimeError as error:
+        print(f"ee-transformers fetch-assets: error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.WARNING)
-    fetch_assets(force="--force" in sys.argv[1:])
+    sys.exit(main())
