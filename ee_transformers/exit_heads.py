@@ -18,9 +18,11 @@ class ExitHead(nn.Module):
     def __init__(self, norm: nn.Module, hidden_size: int, adapter_rank: int | None = None):
         super().__init__()
         self.norm = norm
+        self.norm._ee_init = "final_norm"  # read by the model's _init_weights
         if adapter_rank:
             self.down = nn.Linear(hidden_size, adapter_rank, bias=False)
             self.up = nn.Linear(adapter_rank, hidden_size, bias=False)
+            self.up._ee_init = "zeros"
         else:
             self.down = self.up = None
 
@@ -37,6 +39,7 @@ class ConfidenceHead(nn.Module):
     def __init__(self, hidden_size: int):
         super().__init__()
         self.proj = nn.Linear(hidden_size, 1)
+        self.proj._ee_init = "zeros"
 
     def forward(self, head_output: torch.Tensor) -> torch.Tensor:
         """`head_output`: `(..., hidden)` -> probabilities `(...)`."""

@@ -103,15 +103,17 @@ class EarlyExitMixin:
                 self._init_weights(module)
 
     def _init_weights(self, module):
-        super()._init_weights(module)
-        if isinstance(module, ExitHead):
-            # a missing head starts as the final norm (with a silent adapter): exactly "apply the final norm early"
-            init.copy_(module.norm.weight, self.model.norm.weight)
-            if module.up is not None:
-                init.zeros_(module.up.weight)
-        elif isinstance(module, ConfidenceHead):
-            init.zeros_(module.proj.weight)
-            init.zeros_(module.proj.bias)
+        # exit modules say how they start (`_ee_init`); transformers visits children before parents and skips
+        # anything already initialised, so this is decided per leaf module
+        how = getattr(module, "_ee_init", None)
+        if how == "final_norm":  # an exit norm starts as the final norm: exactly "apply the final norm early"
+            init.copy_(module.weight, self.model.norm.weight)
+        elif how == "zeros":  # adapter up-projections and confidence heads start silent
+            init.zeros_(module.weight)
+            if getattr(module, "bias", None) is not None:
+                init.zeros_(module.bias)
+        else:
+            super()._init_weights(module)
 
     def add_confidence_heads(self):
         """Adds untrained learned-confidence heads (one per exit) and records them in the config."""
@@ -140,7 +142,7 @@ class EarlyExitMixin:
             os.path.exists(os.path.join(path, name)) for name in ("tokenizer.json", "tokenizer_config.json")
         ):
             try:
-                model.tokenizer = AutoTokenizer.from_pretrained(path)
+                model.tokenizer = AutoTokenizer.from_pretrained(path, config=model.config)
             except Exception as error:  # a broken tokenizer must not stop the model from loading
                 logger.warning(f"Could not load the tokenizer in {path}: {error}")
         return (model, info) if want_info else model
