@@ -1,0 +1,879 @@
+"""Fit exit heads by self-distillation on a frozen (or LoRA-adapted) backbone.
+
+    python training/fit_exit_heads.py --model path/to/plain-or-ee --exit-layers 7,15,22 --data books/*.txt \
+        --block-size 512 --steps 2000 --out my-ee-model
+    accelerate launch training/fit_exit_heads.py ...       # several GPUs (DDP; FSDP best-effort)
+    ee-transformers fit ...                                # the same entry point
+
+Per step the backbone runs once per block under no_grad with `output_hidden_states`; the final layer's distribution
+at temperature T is computed once on a random subset of positions and every exit head learns it (KL, optionally plus
+next-token cross-entropy). Only heads get gradients, so the backbone stays bit-identical. With `--lora-rank r` the
+backbone also gets LoRA adapters (peft): the teacher is then the same model with its adapters disabled, and the
+adapted final layer is held to the teacher by a KL term of weight `--final-kl-weight`.
+
+Python use (demo, benchmark):
+
+    result = fit_exit_heads(model, train_blocks, heldout_blocks, FitConfig(steps=200))
+    result.agreement_before, result.agreement_after   # per-exit argmax agreement with the final layer, held out
+"""
+
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field, fields
+
+if __package__ in (None, ""):  # run as `python training/fit_exit_heads.py`: make the repo root importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from training.checkpoint import latest_checkpoint, load_checkpoint, read_checkpoint_state, save_checkpoint
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+# ------------------------------------------------------------------------------------------------------------ config
+@dataclass
+class FitConfig:
+    """Settings of one fitting run; `__post_init__` raises `ValueError` naming a bad field."""
+
+    steps: int = field(default=1000, metadata={"help": "optimizer steps"})
+    batch_size: int = field(default=4, metadata={"help": "blocks per micro-batch (per process)"})
+    grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
+    lr: float = field(default=5e-4, metadata={"help": "peak learning rate of the exit heads"})
+    weight_decay: float = 0.0
+    warmup_steps: int = field(default=20, metadata={"help": "linear warm-up, then cosine decay"})
+    min_lr_ratio: float = field(default=0.1, metadata={"help": "the cosine decays to lr * min_lr_ratio"})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping (0 = off)"})
+    temperature: float = field(default=1.0, metadata={"help": "distillation temperature T"})
+    ce_weight: float = field(default=0.0, metadata={"help": "weight of next-token cross-entropy per exit"})
+    exit_weighting: str = field(default="depth", metadata={"help": "'uniform' or 'depth' (w_i ~ layer+1), sum 1"})
+    positions_per_block: int = field(default=64, metadata={"help": "random positions distilled per block (0 = all)"})
+    mixed_precision: str = field(default="no", metadata={"help": "'no', 'bf16' or 'fp16' (accelerate)"})
+    eval_every: int = field(default=0, metadata={"help": "evaluate on held-out blocks every N steps (0 = end only)"})
+    eval_blocks: int = field(default=16, metadata={"help": "held-out blocks used by evaluation"})
+    checkpoint_every: int = field(default=0, metadata={"help": "checkpoint every N steps (0 = never)"})
+    keep_checkpoints: int = 2
+    seed: int = 0
+    lora_rank: int = field(default=0, metadata={"help": "LoRA rank on the backbone (0 = frozen backbone)"})
+    lora_alpha: float | None = field(default=None, metadata={"help": "LoRA alpha (default 2 * rank)"})
+    lora_dropout: float = 0.0
+    lora_lr: float = field(default=2e-4, metadata={"help": "peak learning rate of the LoRA adapters"})
+    final_kl_weight: float = field(default=2.0, metadata={"help": "LoRA: weight of KL(original final || adapted final)"})
+    layer_dropout: float = field(default=0.0, metadata={"help": "LoRA: max layer-drop probability, rising with depth"})
+    merge_lora: bool = field(default=True, metadata={"help": "LoRA: merge adapters into the weights at the end"})
+    confidence_steps: int = field(default=0, metadata={"help": "steps of the learned-confidence stage (0 = skip)"})
+    confidence_lr: float = 1e-2
+    progress: bool = True
+
+    def __post_init__(self):
+        positive = ("steps", "batch_size", "grad_accum", "eval_blocks", "keep_checkpoints")
+        non_negative = ("warmup_steps", "positions_per_block", "eval_every", "checkpoint_every", "lora_rank",
+                        "confidence_steps")
+        for name in positive + non_negative:
+            value = getattr(self, name)
+            low = 1 if name in positive else 0
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"`{name}` must be an integer >= {low}, got {value!r}.")
+        for name in ("lr", "lora_lr", "temperature", "confidence_lr"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"`{name}` must be > 0, got {getattr(self, name)!r}.")
+        for name in ("ce_weight", "final_kl_weight", "weight_decay", "max_grad_norm"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"`{name}` must be >= 0, got {getattr(self, name)!r}.")
+        if not 0 < self.min_lr_ratio <= 1:
+            raise ValueError(f"`min_lr_ratio` must be in (0, 1], got {self.min_lr_ratio!r}.")
+        if not 0 <= self.layer_dropout < 1 or not 0 <= self.lora_dropout < 1:
+            raise ValueError("`layer_dropout` and `lora_dropout` must be in [0, 1).")
+        if self.layer_dropout and not self.lora_rank:
+            raise ValueError("`layer_dropout` needs `lora_rank` > 0: a frozen backbone is not trained.")
+        if self.exit_weighting not in ("uniform", "depth"):
+            raise ValueError(f"`exit_weighting` must be 'uniform' or 'depth', got {self.exit_weighting!r}.")
+        if self.mixed_precision not in ("no", "bf16", "fp16"):
+            raise ValueError(f"`mixed_precision` must be 'no', 'bf16' or 'fp16', got {self.mixed_precision!r}.")
+
+
+@dataclass
+class FitResult:
+    """What a run did. Agreements are per exit (aligned with `exit_layers`), argmax agreement with the original final
+    layer on held-out blocks; `final_agreement` (LoRA only) is the adapted final layer's agreement with the original."""
+
+    model: nn.Module
+    exit_layers: list
+    steps: int
+    agreement_before: list | None = None
+    agreement_after: list | None = None
+    kl_before: list | None = None
+    kl_after: list | None = None
+    final_agreement: float | None = None
+    final_kl: float | None = None
+    confidence: dict | None = None
+    history: list = field(default_factory=list)
+    seconds: float = 0.0
+
+    def summary(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "model"}
+
+
+# ----------------------------------------------------------------------------------------------------------- helpers
+def _ee(model):
+    """The early-exit model under a (possibly) peft-wrapped one."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def exit_weights(exit_layers, how: str) -> list[float]:
+    raw = [1.0] * len(exit_layers) if how == "uniform" else [layer + 1.0 for layer in exit_layers]
+    return [w / sum(raw) for w in raw]
+
+
+def lr_lambda_for(config: FitConfig):
+    """Linear warm-up to 1, then cosine decay to `min_lr_ratio` at `steps` (a picklable-free closure; the scheduler's
+    state is only its step count)."""
+
+    def factor(step):
+        if step < config.warmup_steps:
+            return (step + 1) / config.warmup_steps
+        span = max(1, config.steps - config.warmup_steps)
+        progress = min(1.0, (step - config.warmup_steps) / span)
+        return config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def sample_positions(block_size: int, count: int, seed: int, sample_index: int) -> torch.LongTensor:
+    """Sorted random positions of one block with a next token (< block_size - 1); a pure function of the seed and
+    the global sample index, so a resumed run draws exactly what an uninterrupted one would."""
+    usable = block_size - 1
+    if count == 0 or count >= usable:
+        return torch.arange(usable)
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + sample_index)
+    return torch.randperm(usable, generator=generator)[:count].sort().values
+
+
+class BlockStream:
+    """Deterministic order of training blocks: epoch k is a permutation seeded by (seed, k); sample g of the global
+    stream is block `perm_{g // n}[g % n]`. The data position is just the number of samples consumed."""
+
+    def __init__(self, blocks: torch.LongTensor, seed: int):
+        self.blocks, self.seed, self._perms = blocks, seed, {}
+
+    def block_index(self, g: int) -> int:
+        n = self.blocks.shape[0]
+        epoch = g // n
+        if epoch not in self._perms:
+            self._perms = {epoch: torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + 7919 * epoch))}
+        return int(self._perms[epoch][g % n])
+
+
+def _gather(h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """h: (B, T, D), positions: (B, P) -> (B, P, D)."""
+    return h.gather(1, positions[..., None].expand(-1, -1, h.shape[-1]))
+
+
+def _kl(teacher_logp: torch.Tensor, student_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Mean over positions of KL(teacher || student) at temperature T, times T^2. Shapes (N, V)."""
+    student_logp = F.log_softmax(student_logits.float() / temperature, dim=-1)
+    return F.kl_div(student_logp, teacher_logp, log_target=True, reduction="batchmean") * temperature ** 2
+
+
+class LayerDrop:
+    """LoRA training only: skips decoder layer l (its output = its input) with probability p * l / (L - 1), one draw
+    per layer per micro-batch from a seeded generator. Off while the teacher runs."""
+
+    def __init__(self, layers, p_max: float):
+        self.active, self.drop = False, set()
+        n = len(layers)
+        self.p = [p_max * i / max(1, n - 1) for i in range(n)]
+        self.handles = [layer.register_forward_hook(self._hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
+
+    def _hook(self, index):
+        def hook(module, args, kwargs, output):
+            if self.active and module.training and index in self.drop:
+                return args[0] if args else kwargs["hidden_states"]
+            return output
+        return hook
+
+    def draw(self, seed: int):
+        generator = torch.Generator().manual_seed(seed)
+        u = torch.rand(len(self.p), generator=generator)
+        self.drop = {i for i, p in enumerate(self.p) if u[i] < p}
+
+    def remove(self):
+        for handle in self.handles:
+            handle.remove()
+
+
+class DistillationStep(nn.Module):
+    """The loss of one micro-batch, as a module so that `accelerate` can wrap it (DDP syncs the heads' gradients)."""
+
+    def __init__(self, model, config: FitConfig, lora: bool):
+        super().__init__()
+        self.model = model  # the (peft-wrapped) early-exit model
+        self.config, self.lora = config, lora
+        ee = _ee(model)
+        self.exit_layers = list(ee.config.exit_layers)
+        self.weights = exit_weights(self.exit_layers, config.exit_weighting)
+        self.layer_drop = LayerDrop(ee.model.layers, config.layer_dropout) if lora and config.layer_dropout else None
+
+    def teacher_context(self):
+        return self.model.disable_adapter() if self.lora else nullcontext()
+
+    def forward(self, input_ids: torch.LongTensor, positions: torch.LongTensor):
+        """input_ids: (B, T) packed blocks; positions: (B, P) positions distilled. Returns (loss, per-exit agreement
+        (E,), final-layer agreement or nan)."""
+        ee, cfg, T = _ee(self.model), self.config, self.config.temperature
+        with torch.no_grad(), self.teacher_context():
+            if self.layer_drop is not None:
+                self.layer_drop.active = False
+            out = ee.model(input_ids=input_ids, output_hidden_states=True, use_cache=False)
+            teacher_logits = ee.lm_head(_gather(out.hidden_states[-1], positions)).float().flatten(0, 1)  # (N, V)
+            teacher_logp = F.log_softmax(teacher_logits / T, dim=-1)
+            teacher_argmax = teacher_logits.argmax(-1)
+        hidden = out.hidden_states
+        loss = teacher_logits.new_zeros(())
+        final_agree = torch.tensor(float("nan"))
+        if self.lora:  # the student backbone, with gradients into the adapters
+            if self.layer_drop is not None:
+                self.layer_drop.active = True
+            hidden = ee.model(input_ids=input_ids, output_hidden_states=True, use_cache=False).hidden_states
+            if self.layer_drop is not None:
+                self.layer_drop.active = False
+            final_logits = ee.lm_head(_gather(hidden[-1], positions)).flatten(0, 1)
+            loss = loss + cfg.final_kl_weight * _kl(teacher_logp, final_logits, T)
+            final_agree = (final_logits.argmax(-1) == teacher_argmax).float().mean().detach()
+        agree = []
+        labels = None
+        if cfg.ce_weight:
+            labels = input_ids.gather(1, positions + 1).flatten()  # next tokens: positions < T - 1
+        for i, layer in enumerate(self.exit_layers):
+            logits = ee.exit_logits_from_hidden(i, _gather(hidden[layer + 1], positions)).flatten(0, 1)
+            term = _kl(teacher_logp, logits, T)
+            if labels is not None:
+                term = term + cfg.ce_weight * F.cross_entropy(logits.float(), labels)
+            loss = loss + self.weights[i] * term
+            agree.append((logits.argmax(-1) == teacher_argmax).float().mean().detach())
+        return loss, torch.stack(agree), final_agree
+
+
+# -------------------------------------------------------------------------------------------------------- evaluation
+@torch.no_grad()
+def evaluate_exits(model, blocks: torch.LongTensor, batch_size: int = 4, lora: bool | None = None) -> dict:
+    """Per-exit argmax agreement and mean KL(original final || exit) over every position of `blocks` (B, T).
+
+    With a peft-wrapped model the reference is the original model (adapters disabled) and the result also holds the
+    adapted final layer's agreement / KL with it. Returns {"agreement": [...], "kl": [...], "final_agreement",
+    "final_kl", "positions"}.
+    """
+    ee = _ee(model)
+    lora = hasattr(model, "disable_adapter") if lora is None else lora
+    was_training = ee.training
+    ee.eval()
+    exits = list(ee.config.exit_layers)
+    agree = torch.zeros(len(exits), dtype=torch.float64)
+    kl = torch.zeros(len(exits), dtype=torch.float64)
+    final_agree = final_kl = 0.0
+    count = 0
+    device = ee.model.embed_tokens.weight.device
+    for start in range(0, blocks.shape[0], batch_size):
+        ids = blocks[start:start + batch_size].to(device)
+        with model.disable_adapter() if lora else nullcontext():
+            ref = ee.model(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
+            ref_logits = ee.lm_head(ref[-1]).float().flatten(0, 1)
+        ref_logp, ref_argmax = ref_logits.log_softmax(-1), ref_logits.argmax(-1)
+        hidden = ref
+        if lora:
+            hidden = ee.model(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
+            student = ee.lm_head(hidden[-1]).float().flatten(0, 1)
+            final_agree += float((student.argmax(-1) == ref_argmax).sum())
+            final_kl += float(_kl(ref_logp, student, 1.0)) * ref_argmax.numel()
+        for i, layer in enumerate(exits):
+            logits = ee.exit_logits_from_hidden(i, hidden[layer + 1]).float().flatten(0, 1)
+            agree[i] += float((logits.argmax(-1) == ref_argmax).sum())
+            kl[i] += float(_kl(ref_logp, logits, 1.0)) * ref_argmax.numel()
+        count += ref_argmax.numel()
+    ee.train(was_training)
+    count = max(count, 1)
+    result = {"agreement": [round(float(a) / count, 4) for a in agree], "kl": [round(float(k) / count, 4) for k in kl],
+              "positions": count, "final_agreement": None, "final_kl": None}
+    if lora:
+        result["final_agreement"], result["final_kl"] = round(final_agree / count, 4), round(final_kl / count, 4)
+    return result
+
+
+# --------------------------------------------------------------------------------------------------------- the fitter
+def attach_lora(model, config: FitConfig):
+    """Wraps the early-exit model in peft LoRA on the backbone's projections; the exit heads stay trainable."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise ValueError("`lora_rank` > 0 needs peft: pip install 'ee-transformers[train]'.") from None
+    lora_config = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha or 2 * config.lora_rank,
+                             lora_dropout=config.lora_dropout, target_modules=LORA_TARGETS, bias="none")
+    # only decoder layers: the exit adapters' `up`/`down` would otherwise match nothing, but be explicit anyway
+    lora_config.layers_pattern = "layers"
+    return get_peft_model(model, lora_config)
+
+
+def trainable_state(model) -> dict:
+    """{name: tensor} of every parameter that trains (exit heads, confidence heads, LoRA), names relative to the
+    early-exit model so a state moves between a peft-wrapped and a plain model."""
+    return {name: p for name, p in _ee(model).named_parameters() if p.requires_grad}
+
+
+def _freeze_for_fitting(model, lora: bool):
+    ee = _ee(model)
+    for name, p in ee.named_parameters():
+        p.requires_grad_(name.startswith("exit_heads.") or (lora and "lora_" in name))
+    ee.model.train(lora)  # dropout-free for the families we support; only LoRA layers need train mode
+    ee.exit_heads.train()
+
+
+def _check_resume(state: dict, model, config: FitConfig):
+    ee = _ee(model)
+    want = {"exit_layers": list(ee.config.exit_layers), "exit_head": ee.config.exit_head,
+            "exit_adapter_rank": ee.config.exit_adapter_rank, "lora_rank": config.lora_rank}
+    for key, value in want.items():
+        if key in state.get("meta", {}) and state["meta"][key] != value:
+            raise ValueError(f"Cannot resume: the checkpoint was made with `{key}`={state['meta'][key]!r}, this run "
+                             f"has {value!r}. Use the same settings or start a new run.")
+    if state["step"] > config.steps:
+        raise ValueError(f"Cannot resume: the checkpoint is at step {state['step']}, beyond `steps`={config.steps}.")
+
+
+def resolve_resume(resume, checkpoint_dir):
+    """`resume`: None, a checkpoint folder, or "auto" (the newest in `checkpoint_dir`, None if there is none)."""
+    if resume in (None, False, ""):
+        return None
+    if resume in ("auto", True):
+        return latest_checkpoint(checkpoint_dir)
+    if not os.path.isdir(resume):
+        raise ValueError(f"`resume`: no checkpoint folder {resume!r}.")
+    found = latest_checkpoint(resume)  # a checkpoint *directory* resumes from its newest step
+    return found or resume
+
+
+def fit_exit_heads(model, train_blocks: torch.LongTensor, heldout_blocks: torch.LongTensor | None = None,
+                   config: FitConfig | None = None, checkpoint_dir=None, resume=None, accelerator=None,
+                   on_step=None) -> FitResult:
+    """Fits the exit heads of an early-exit `model` (from `ee_transformers.from_base`) on packed `train_blocks`
+    `(n, block_size)`; evaluates on `heldout_blocks` before and after.
+
+    checkpoint_dir / resume: checkpoints every `config.checkpoint_every` steps go to `checkpoint_dir`; `resume` is a
+        checkpoint folder or "auto" (newest in `checkpoint_dir`). A resumed run ends equal to an uninterrupted one.
+    accelerator: an `accelerate.Accelerator` (one is made from `config.mixed_precision` when None).
+    on_step: optional `on_step(step, metrics)` called after every optimizer step (from the main process).
+    Returns a `FitResult`; `result.model` is the early-exit model (LoRA merged when `config.merge_lora`, else the
+    peft-wrapped model).
+    """
+    from accelerate import Accelerator
+
+    config = config or FitConfig()
+    ee = _ee(model)
+    exits = list(ee.config.exit_layers)
+    if not exits:
+        raise ValueError("The model has no exit heads (`config.exit_layers` is empty): load it with "
+                         "`ee_transformers.from_base(path, exit_layers=[...])`.")
+    if train_blocks.ndim != 2 or train_blocks.shape[0] == 0:
+        raise ValueError(f"`train_blocks` must be a non-empty (n, block_size) tensor, got shape {tuple(train_blocks.shape)}.")
+    from training.data import check_block_size
+
+    check_block_size(int(train_blocks.shape[1]), ee.config)
+    resume_path = resolve_resume(resume, checkpoint_dir)
+    resume_state = read_checkpoint_state(resume_path) if resume_path else None
+    lora = config.lora_rank > 0
+    if resume_state is not None:
+        _check_resume(resume_state, model, config)
+
+    accelerator = accelerator or Accelerator(mixed_precision=config.mixed_precision, cpu=not torch.cuda.is_available())
+    started = time.time()
+    if lora and not hasattr(model, "disable_adapter"):
+        model = attach_lora(model, config)
+        ee = _ee(model)
+    _freeze_for_fitting(model, lora)
+    heldout = heldout_blocks[: config.eval_blocks] if heldout_blocks is not None and len(heldout_blocks) else None
+
+    before = resume_state.get("before") if resume_state else None
+    if before is None and heldout is not None:
+        before = evaluate_exits(model, heldout.to(accelerator.device), config.batch_size, lora=lora)
+        if lora:  # before any LoRA step the adapted model IS the original: report what heads alone achieve
+            before["final_agreement"], before["final_kl"] = 1.0, 0.0
+
+    head_params = [p for n, p in ee.named_parameters() if p.requires_grad and n.startswith("exit_heads.")]
+    lora_params = [p for n, p in ee.named_parameters() if p.requires_grad and "lora_" in n]
+    groups = [{"params": head_params, "lr": config.lr}]
+    if lora_params:
+        groups.append({"params": lora_params, "lr": config.lora_lr})
+    optimizer = torch.optim.AdamW(groups, weight_decay=config.weight_decay, foreach=False)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda_for(config))
+
+    step_module = DistillationStep(model, config, lora)
+    wrapped, prepared_optimizer = accelerator.prepare(step_module, optimizer)
+    # the scheduler is stepped by hand once per optimizer step (accelerate would step it once per process)
+
+    start_step = 0
+    if resume_path:
+        trainable, state = load_checkpoint(resume_path, optimizer, scheduler)
+        params = trainable_state(model)
+        missing = sorted(set(params) - set(trainable))
+        if missing:
+            raise ValueError(f"Cannot resume from {resume_path}: it lacks {missing[:3]}...")
+        with torch.no_grad():
+            for name, p in params.items():
+                p.copy_(trainable[name].to(p.device, p.dtype))
+        start_step = state["step"]
+        accelerator.print(f"Resumed from {resume_path} at step {start_step}.")
+
+    stream = BlockStream(train_blocks, config.seed)
+    block_size = train_blocks.shape[1]
+    world, rank = accelerator.num_processes, accelerator.process_index
+    history = list(resume_state.get("history", [])) if resume_state else []
+    progress = None
+    if config.progress and accelerator.is_main_process:
+        from tqdm.auto import tqdm
+
+        progress = tqdm(total=config.steps, initial=start_step, desc="fit exit heads", dynamic_ncols=True)
+    meta = {"exit_layers": exits, "exit_head": ee.config.exit_head, "exit_adapter_rank": ee.config.exit_adapter_rank,
+            "lora_rank": config.lora_rank, "config": asdict(config)}
+    running_agree = None
+    for step in range(start_step, config.steps):
+        step_loss, step_agree, step_final = 0.0, torch.zeros(len(exits)), []
+        for micro in range(config.grad_accum):
+            m = step * config.grad_accum + micro  # global micro-batch index
+            first = (m * world + rank) * config.batch_size
+            samples = range(first, first + config.batch_size)
+            ids = torch.stack([train_blocks[stream.block_index(g)] for g in samples]).to(accelerator.device)
+            pos = torch.stack([sample_positions(block_size, config.positions_per_block, config.seed, g)
+                               for g in samples]).to(accelerator.device)
+            if step_module.layer_drop is not None:
+                step_module.layer_drop.draw(config.seed * 1_000_003 + 500_009 * (m + 1))
+            sync = micro == config.grad_accum - 1
+            with (nullcontext() if sync else accelerator.no_sync(wrapped)), accelerator.autocast():
+                loss, agree, final_agree = wrapped(ids, pos)
+                accelerator.backward(loss / config.grad_accum)
+            step_loss += float(loss.detach()) / config.grad_accum
+            step_agree += agree.float().cpu() / config.grad_accum
+            if not math.isnan(float(final_agree)):
+                step_final.append(float(final_agree))
+        if config.max_grad_norm:
+            accelerator.clip_grad_norm_([p for g in groups for p in g["params"]], config.max_grad_norm)
+        prepared_optimizer.step()
+        scheduler.step()
+        prepared_optimizer.zero_grad(set_to_none=True)
+        done = step + 1
+        running_agree = step_agree if running_agree is None else 0.9 * running_agree + 0.1 * step_agree
+        metrics = {"step": done, "loss": round(step_loss, 5), "agreement": [round(float(a), 4) for a in step_agree],
+                   "lr": scheduler.get_last_lr()[0]}
+        if step_final:
+            metrics["final_agreement"] = round(sum(step_final) / len(step_final), 4)
+        if config.eval_every and done % config.eval_every == 0 and done < config.steps and heldout is not None:
+            metrics["eval"] = evaluate_exits(model, heldout.to(accelerator.device), config.batch_size, lora=lora)
+            accelerator.print(f"step {done}: held-out agreement {metrics['eval']['agreement']}")
+        history.append(metrics)
+        if progress is not None:
+            postfix = {"loss": f"{step_loss:.3f}", "agree": "/".join(f"{a:.2f}" for a in running_agree)}
+            if step_final:
+                postfix["final"] = f"{metrics['final_agreement']:.2f}"
+            progress.set_postfix(postfix)
+            progress.update(1)
+        if checkpoint_dir and config.checkpoint_every and done % config.checkpoint_every == 0:
+            accelerator.wait_for_everyone()
+            if accelerator.is_main_process:
+                save_checkpoint(checkpoint_dir, done, trainable_state(model), optimizer, scheduler,
+                                {"meta": meta, "before": before, "history": history,
+                                 "data_position": (done * config.grad_accum) * world * config.batch_size},
+                                keep=config.keep_checkpoints)
+        if on_step is not None and accelerator.is_main_process:
+            on_step(done, metrics)
+    if progress is not None:
+        progress.close()
+    accelerator.wait_for_everyone()
+    step_module.layer_drop and step_module.layer_drop.remove()
+    _ee(model).eval()
+    after = evaluate_exits(model, heldout.to(accelerator.device), config.batch_size, lora=lora) if heldout is not None else None
+
+    result = FitResult(model=model, exit_layers=exits, steps=config.steps, history=history)
+    if before:
+        result.agreement_before, result.kl_before = before["agreement"], before["kl"]
+    if after:
+        result.agreement_after, result.kl_after = after["agreement"], after["kl"]
+        result.final_agreement, result.final_kl = after["final_agreement"], after["final_kl"]
+    if lora and config.merge_lora:
+        result.model = merge_lora(model)
+    if config.confidence_steps:
+        result.confidence = fit_confidence_heads(result.model, train_blocks, heldout, config, accelerator)
+    for p in _ee(result.model).parameters():
+        p.requires_grad_(False)
+    result.seconds = round(time.time() - started, 2)
+    return result
+
+
+def merge_lora(model):
+    """Folds LoRA adapters into the backbone weights; returns the plain early-exit model."""
+    if not hasattr(model, "merge_and_unload"):
+        return model
+    return model.merge_and_unload()
+
+
+# --------------------------------------------------------------------------------------------- learned confidence
+def fit_confidence_heads(model, train_blocks, heldout_blocks, config: FitConfig, accelerator=None) -> dict:
+    """CALM's meta classifier: per exit, a linear probe on the exit head's output predicting "this exit's argmax equals
+    the final argmax" (binary cross-entropy). Backbone and exit heads stay fixed. Returns held-out accuracy and the
+    positive rate per exit. Deterministic in `config.seed` (re-run, not checkpointed: it is short)."""
+    ee = _ee(model)
+    device = ee.model.embed_tokens.weight.device
+    heads = ee.add_confidence_heads()
+    for p in ee.parameters():
+        p.requires_grad_(False)
+    for p in heads.parameters():
+        p.requires_grad_(True)
+    heads.train()
+    optimizer = torch.optim.AdamW(heads.parameters(), lr=config.confidence_lr, foreach=False)
+    stream = BlockStream(train_blocks, config.seed + 1)
+    block_size = train_blocks.shape[1]
+    exits = list(ee.config.exit_layers)
+
+    def features(ids, positions):
+        with torch.no_grad():
+            hidden = ee.model(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
+            final = ee.lm_head(_gather(hidden[-1], positions)).argmax(-1)
+            feats, labels = [], []
+            for i, layer in enumerate(exits):
+                x = ee.exit_heads[i](_gather(hidden[layer + 1], positions))
+                feats.append(x)
+                labels.append((ee.lm_head(x).argmax(-1) == final).float())
+        return feats, labels
+
+    for step in range(config.confidence_steps):
+        samples = range(step * config.batch_size, (step + 1) * config.batch_size)
+        ids = torch.stack([train_blocks[stream.block_index(g)] for g in samples]).to(device)
+        pos = torch.stack([sample_positions(block_size, config.positions_per_block, config.seed + 1, g)
+                           for g in samples]).to(device)
+        feats, labels = features(ids, pos)
+        loss = sum(F.binary_cross_entropy_with_logits(heads[i].proj(x).squeeze(-1).float(), y)
+                   for i, (x, y) in enumerate(zip(feats, labels)))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    heads.eval()
+    for p in heads.parameters():
+        p.requires_grad_(False)
+    report = {"steps": config.confidence_steps, "accuracy": None, "positive_rate": None}
+    if heldout_blocks is not None and len(heldout_blocks):
+        correct, positive, total = torch.zeros(len(exits)), torch.zeros(len(exits)), 0
+        for start in range(0, heldout_blocks.shape[0], config.batch_size):
+            ids = heldout_blocks[start:start + config.batch_size].to(device)
+            pos = torch.arange(block_size, device=device).expand(ids.shape[0], -1)
+            feats, labels = features(ids, pos)
+            with torch.no_grad():
+                for i, (x, y) in enumerate(zip(feats, labels)):
+                    correct[i] += float(((heads[i](x) >= 0.5).float() == y).sum())
+                    positive[i] += float(y.sum())
+            total += pos.numel()
+        report["accuracy"] = [round(float(c) / total, 4) for c in correct]
+        report["positive_rate"] = [round(float(p) / total, 4) for p in positive]
+    return report
+
+
+# ------------------------------------------------------------------------------------------------- output folders
+def prepare_output_dir(out, overwrite: bool = False) -> None:
+    """Refuses (before any work) to write over a non-empty folder unless `overwrite`."""
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)) and not overwrite:
+        raise ValueError(f"`--out` {out!r} already exists and is not empty; pass `--overwrite` or choose another folder.")
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.access(parent, os.W_OK):
+        raise ValueError(f"`--out` {out!r}: cannot write in {parent!r}.")
+
+
+def save_model_folder(model, out, tokenizer=None, card_data: dict | None = None, reports: dict | None = None,
+                      extra_dirs: dict | None = None) -> str:
+    """Writes a Hub-ready early-exit folder atomically: everything goes to a temporary sibling folder first, which
+    replaces `out` only once complete, so a folder at `out` is never half written.
+
+    reports: {file name: JSON-able} written next to the weights (e.g. fit_report.json, calibration.json).
+    extra_dirs: {sub-folder name: source folder} copied in (e.g. a kept LoRA adapter).
+    """
+    out = os.path.abspath(out)
+    tmp = f"{out}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    if tokenizer is not None:
+        model.tokenizer = tokenizer
+    if card_data is not None:
+        model.card_data = card_data
+    model.save_pretrained(tmp)
+    for name, payload in (reports or {}).items():
+        with open(os.path.join(tmp, name), "w") as f:
+            json.dump(payload, f, indent=1)
+    for name, source in (extra_dirs or {}).items():
+        shutil.copytree(source, os.path.join(tmp, name))
+    old = f"{out}.old-{os.getpid()}"
+    if os.path.exists(out):
+        os.replace(out, old)
+    os.replace(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)
+    return out
+
+
+def agreement_table(exits, before, after, final_before=None, final_after=None) -> str:
+    """A markdown table of per-exit held-out agreement before/after fitting."""
+    head = "| | " + " | ".join(f"exit {e}" for e in exits) + (" | final layer |" if final_after is not None else " |")
+    rule = "|---" * (len(exits) + 1 + (final_after is not None)) + "|"
+    rows = [head, rule]
+    for label, values, final in (("before fitting", before, final_before), ("after fitting", after, final_after)):
+        if values is None:
+            continue
+        cells = " | ".join(f"{v:.3f}" for v in values)
+        extra = f" | {final:.3f}" if final_after is not None and final is not None else (" | -" if final_after is not None else "")
+        rows.append(f"| {label} | {cells}{extra} |")
+    return "\n".join(rows)
+
+
+def training_card(result: FitResult, config: FitConfig, base_model: str, data_desc: str, n_train: int,
+                  n_heldout: int, block_size: int, world: int = 1) -> str:
+    tokens = config.steps * config.grad_accum * config.batch_size * world * block_size
+    lines = [
+        f"Exit heads fitted by self-distillation from `{base_model}`'s own final layer "
+        f"(KL at temperature {config.temperature}"
+        + (f", plus next-token cross-entropy weight {config.ce_weight}" if config.ce_weight else "") + ").",
+        "",
+        f"- data: {data_desc}; {n_train} training blocks and {n_heldout} held-out blocks of {block_size} tokens",
+        f"- steps: {config.steps} x {config.grad_accum * config.batch_size * world} blocks "
+        f"(about {tokens} context tokens, {config.positions_per_block or block_size - 1} distilled positions per block), "
+        f"lr {config.lr}, warm-up {config.warmup_steps}, cosine to {config.min_lr_ratio} x lr, "
+        f"mixed precision `{config.mixed_precision}`, seed {config.seed}",
+    ]
+    if config.lora_rank:
+        lines.append(f"- backbone: LoRA rank {config.lora_rank} (alpha {config.lora_alpha or 2 * config.lora_rank}) on "
+                     f"{', '.join(LORA_TARGETS)}, lr {config.lora_lr}, final-layer KL weight {config.final_kl_weight}, "
+                     f"layer dropout {config.layer_dropout}; adapters "
+                     + ("merged into the weights" if config.merge_lora else "kept separately (see `lora_adapter/`)"))
+        if result.final_agreement is not None:
+            lines.append(f"- **the final layer moved**: its argmax agrees with the original model's on "
+                         f"{result.final_agreement:.3f} of held-out positions (KL {result.final_kl:.4f}); this is a "
+                         "slightly different model from the base")
+    else:
+        lines.append("- backbone: frozen (bit-identical to the base model); only the exit heads were trained")
+    if result.confidence:
+        lines.append(f"- learned confidence heads: {result.confidence['steps']} steps; held-out accuracy "
+                     f"{result.confidence['accuracy']}")
+    if result.agreement_before is not None:
+        lines += ["", "Argmax agreement of each exit with the original model's final layer (held-out blocks, every "
+                  "position):", "",
+                  agreement_table(result.exit_layers, result.agreement_before, result.agreement_after,
+                                  1.0 if config.lora_rank else None, result.final_agreement)]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------- cli
+def build_parser():
+    import argparse
+
+    p = argparse.ArgumentParser(prog="ee-transformers fit", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", required=True, help="plain Llama/Mistral/Qwen2/Qwen3 folder, or an early-exit folder")
+    p.add_argument("--exit-layers", help="comma-separated 0-based layers, e.g. 7,15,22 (default: the folder's)")
+    p.add_argument("--exit-head", choices=["norm", "adapter"], help="default: adapter for a plain folder")
+    p.add_argument("--exit-adapter-rank", type=int, help="default: 64 for a plain folder")
+    p.add_argument("--data", nargs="+", required=True, help="text / JSON lines / parquet / csv files or globs")
+    p.add_argument("--text-field", default="text", help="field holding the text in JSON lines / datasets files")
+    p.add_argument("--block-size", type=int, default=512)
+    p.add_argument("--heldout-fraction", type=float, default=0.1)
+    p.add_argument("--out", required=True, help="output model folder (written atomically)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    p.add_argument("--checkpoint-dir", help="default: <out>.checkpoints")
+    p.add_argument("--resume", help="a checkpoint folder, or 'auto' for the newest in --checkpoint-dir")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="weights dtype of the backbone")
+    q = p.add_mutually_exclusive_group()
+    q.add_argument("--load-in-4bit", action="store_true", help="frozen backbone through bitsandbytes 4-bit")
+    q.add_argument("--load-in-8bit", action="store_true", help="frozen backbone through bitsandbytes 8-bit")
+    for f in fields(FitConfig):
+        if f.name in ("progress", "merge_lora"):  # --no-progress / --keep-adapters
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        help_ = f.metadata.get("help", "")
+        if f.type in (bool, "bool"):
+            p.add_argument(flag, type=lambda s: s.lower() in ("1", "true", "yes"), default=f.default, help=help_)
+        elif f.name == "lora_alpha":
+            p.add_argument(flag, type=float, default=None, help=help_)
+        else:
+            kind = {"int": int, "float": float, "str": str}.get(f.type if isinstance(f.type, str) else f.type.__name__, str)
+            p.add_argument(flag, type=kind, default=f.default, help=help_)
+    p.add_argument("--keep-adapters", action="store_true", help="LoRA: save adapters unmerged in <out>/lora_adapter")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def _read_folder_config(path) -> dict:
+    file = os.path.join(str(path), "config.json")
+    if not os.path.isfile(file):
+        raise ValueError(f"`--model` {path!r} is not a model folder: no config.json in it.")
+    with open(file) as f:
+        return json.load(f)
+
+
+def _quantization_config(args):
+    if not (args.load_in_4bit or args.load_in_8bit):
+        return None
+    flag = "--load-in-4bit" if args.load_in_4bit else "--load-in-8bit"
+    try:
+        import bitsandbytes  # noqa: F401
+        from transformers import BitsAndBytesConfig
+    except Exception as error:  # noqa: BLE001 - any import failure means "not supported here"
+        raise ValueError(f"`{flag}` needs bitsandbytes, which cannot be imported on this platform ({error}); drop the "
+                         "flag to fit on the full-precision backbone.") from None
+    # the skip list replaces transformers' defaults: keep the LM head and every head we train in full precision
+    skip = ["lm_head", "exit_heads", "confidence_heads"]
+    if args.load_in_4bit:
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32, llm_int8_skip_modules=skip)
+    return BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip)
+
+
+def _load(args, exit_layers, head, rank, quantization=None):
+    import ee_transformers as eet
+
+    kwargs = {"dtype": getattr(torch, args.dtype)}
+    if quantization is not None:
+        kwargs["quantization_config"] = quantization
+    try:
+        return eet.from_base(args.model, exit_layers=exit_layers, exit_head=head, exit_adapter_rank=rank, **kwargs)
+    except (ImportError, RuntimeError, NotImplementedError) as error:
+        if quantization is None:
+            raise
+        flag = "--load-in-4bit" if args.load_in_4bit else "--load-in-8bit"
+        raise ValueError(f"`{flag}`: bitsandbytes could not load the backbone on this platform ({error}).") from None
+
+
+def _full_precision_copy(args, result, exit_layers, head, rank, config):
+    """After fitting on a quantized backbone: the same trained heads (and LoRA, merged) on the original full-precision
+    weights, so the saved folder does not need bitsandbytes."""
+    state = {n: t.detach().cpu() for n, t in result.model.state_dict().items()
+             if n.startswith(("exit_heads.", "confidence_heads.")) or "lora_" in n}
+    model = _load(args, exit_layers, head, rank)
+    if result.confidence:
+        model.add_confidence_heads()
+    if config.lora_rank:
+        model = attach_lora(model, config)
+    target = {n: p for n, p in _ee(model).named_parameters()}
+    for name, tensor in state.items():
+        name = name.replace("base_model.model.", "")
+        if name in target:
+            with torch.no_grad():
+                target[name].copy_(tensor.to(target[name].dtype))
+    return merge_lora(model) if config.lora_rank and config.merge_lora else model
+
+
+def main(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    try:
+        return _run(args)
+    except ValueError as error:
+        parser.exit(2, f"ee-transformers fit: error: {error}\n")
+
+
+def _run(args):
+    from transformers import AutoTokenizer
+
+    from training.data import check_block_size, load_blocks
+
+    config_fields = {f.name: getattr(args, f.name) for f in fields(FitConfig) if hasattr(args, f.name)}
+    config = FitConfig(**config_fields, progress=not args.no_progress, merge_lora=not args.keep_adapters)
+    # ---- everything that can be checked before loading weights --------------------------------------------------
+    prepare_output_dir(args.out, args.overwrite)
+    folder_config = _read_folder_config(args.model)
+    exit_layers = None
+    if args.exit_layers:
+        try:
+            exit_layers = [int(x) for x in args.exit_layers.split(",") if x.strip()]
+        except ValueError:
+            raise ValueError(f"`--exit-layers` must be comma-separated integers, got {args.exit_layers!r}.") from None
+    elif not folder_config.get("exit_layers"):
+        raise ValueError("`--exit-layers` is required for a plain checkpoint (e.g. --exit-layers 7,15,22).")
+    is_plain = not str(folder_config.get("model_type", "")).startswith("early_exit_")
+    head = args.exit_head or ("adapter" if is_plain else None)
+    rank = args.exit_adapter_rank or (64 if is_plain else None)
+    from ee_transformers import model_class_for
+    from ee_transformers.configuration_early_exit import validate_exit_layers
+
+    model_class_for(folder_config.get("model_type"))
+    validate_exit_layers(exit_layers or folder_config.get("exit_layers"), folder_config["num_hidden_layers"])
+
+    class _Limits:  # block size against the model's positions, before tokenising anything
+        max_position_embeddings = folder_config.get("max_position_embeddings")
+
+    check_block_size(args.block_size, _Limits)
+    checkpoint_dir = args.checkpoint_dir or os.path.abspath(args.out).rstrip(os.sep) + ".checkpoints"
+    resume_path = resolve_resume(args.resume, checkpoint_dir)
+    if args.resume and args.resume != "auto" and resume_path is None:
+        raise ValueError(f"`--resume` {args.resume!r}: no checkpoint there.")
+    if resume_path:
+        state = read_checkpoint_state(resume_path)
+        meta = state.get("meta", {})
+        want = exit_layers or folder_config.get("exit_layers")
+        if meta.get("exit_layers") is not None and meta["exit_layers"] != want:
+            raise ValueError(f"`--exit-layers` {want} disagree with the checkpoint being resumed "
+                             f"({resume_path}: {meta['exit_layers']}).")
+        if meta.get("lora_rank", 0) != config.lora_rank:
+            raise ValueError(f"`--lora-rank` {config.lora_rank} disagrees with the checkpoint being resumed "
+                             f"({meta.get('lora_rank')}).")
+    quantization = _quantization_config(args)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+    except Exception as error:  # noqa: BLE001
+        raise ValueError(f"`--model` {args.model!r}: no usable tokenizer in the folder ({error}).") from None
+    splits = load_blocks(args.data, tokenizer, args.block_size, text_field=args.text_field,
+                         heldout_fraction=args.heldout_fraction, seed=config.seed)
+
+    # ---- the work --------------------------------------------------------------------------------------------------
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(mixed_precision=config.mixed_precision, cpu=not torch.cuda.is_available())
+    model = _load(args, exit_layers, head, rank, quantization).to(accelerator.device) if quantization is None else \
+        _load(args, exit_layers, head, rank, quantization)
+    exit_layers = list(model.config.exit_layers)
+    accelerator.print(f"{type(model).__name__}: exits after layers {exit_layers} of {model.config.num_hidden_layers}; "
+                      f"{splits.train.shape[0]} training / {splits.heldout.shape[0]} held-out blocks of {args.block_size}")
+    result = fit_exit_heads(model, splits.train, splits.heldout, config, checkpoint_dir=checkpoint_dir,
+                            resume=args.resume, accelerator=accelerator)
+    if not accelerator.is_main_process:
+        return 0
+    final = result.model
+    if quantization is not None:
+        final = _full_precision_copy(args, result, exit_layers, model.config.exit_head,
+                                     model.config.exit_adapter_rank, config)
+    extra_dirs, adapter_tmp = {}, None
+    ee = _ee(final)
+    if hasattr(final, "save_pretrained") and final is not ee:  # kept LoRA adapters: base + adapter folder
+        adapter_tmp = os.path.abspath(args.out).rstrip(os.sep) + f".adapter-{os.getpid()}"
+        final.save_pretrained(adapter_tmp)
+        extra_dirs["lora_adapter"] = adapter_tmp
+    data_desc = ", ".join(sorted({os.path.basename(p) for p in args.data}))
+    base_model = folder_config.get("_name_or_path") or os.path.basename(os.path.normpath(args.model))
+    card = {"base_model": base_model,
+            "training": training_card(result, config, base_model, data_desc, splits.train.shape[0],
+                                      splits.heldout.shape[0], args.block_size, accelerator.num_processes)}
+    if adapter_tmp:
+        card["notes"] = ("## LoRA adapters\n\nThe weights here are the ORIGINAL backbone; the fitted LoRA adapters are in "
+                         "`lora_adapter/`. Load with `peft.PeftModel.from_pretrained(model, 'path/lora_adapter')`.")
+    report = {"base_model": base_model, "exit_layers": exit_layers, "data": list(args.data),
+              "train_blocks": int(splits.train.shape[0]), "heldout_blocks": int(splits.heldout.shape[0]),
+              "block_size": args.block_size, "config": asdict(config), "card": card,
+              **{k: v for k, v in result.summary().items() if k != "history"},
+              "history_tail": result.history[-5:]}
+    save_model_folder(ee, args.out, tokenizer, card, {"fit_report.json": report}, extra_dirs)
+    if adapter_tmp:
+        shutil.rmtree(adapter_tmp, ignore_errors=True)
+    print(f"Wrote {args.out}: held-out agreement per exit {result.agreement_before} -> {result.agreement_after}"
+          + (f"; final layer vs original {result.final_agreement}" if result.final_agreement is not None else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
