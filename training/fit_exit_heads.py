@@ -591,12 +591,13 @@ def prepare_output_dir(out, overwrite: bool = False) -> None:
 
 
 def save_model_folder(model, out, tokenizer=None, card_data: dict | None = None, reports: dict | None = None,
-                      extra_dirs: dict | None = None) -> str:
+                      extra_dirs: dict | None = None, carry_from=None) -> str:
     """Writes a Hub-ready early-exit folder atomically: everything goes to a temporary sibling folder first, which
     replaces `out` only once complete, so a folder at `out` is never half written.
 
     reports: {file name: JSON-able} written next to the weights (e.g. fit_report.json, calibration.json).
     extra_dirs: {sub-folder name: source folder} copied in (e.g. a kept LoRA adapter).
+    carry_from: a folder whose other entries (reports, adapters) are copied over when not written anew.
     """
     out = os.path.abspath(out)
     tmp = f"{out}.partial-{os.getpid()}"
@@ -611,6 +612,11 @@ def save_model_folder(model, out, tokenizer=None, card_data: dict | None = None,
             json.dump(payload, f, indent=1)
     for name, source in (extra_dirs or {}).items():
         shutil.copytree(source, os.path.join(tmp, name))
+    if carry_from is not None and os.path.isdir(carry_from):
+        for name in os.listdir(carry_from):
+            source, target = os.path.join(carry_from, name), os.path.join(tmp, name)
+            if not os.path.exists(target):
+                (shutil.copytree if os.path.isdir(source) else shutil.copy2)(source, target)
     old = f"{out}.old-{os.getpid()}"
     if os.path.exists(out):
         os.replace(out, old)

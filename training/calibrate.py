@@ -1,0 +1,464 @@
+"""Cost-aware calibration: which exits to check, and at which thresholds, for a greedy-agreement target.
+
+    ee-transformers calibrate my-ee-model --data heldout/*.txt --criterion max_prob --target-agreement 0.95
+
+An exit check is not free: a logit criterion runs the full LM head (on SmolLM2-135M at batch 1 on a CPU, about 3.5
+decoder-layer steps). So calibration
+  1. measures on this machine, in decoder-layer steps: a layer step, a head check, a cheap check (cosine / learned),
+     and the K/V backfill of one skipped layer (medians of timed calls);
+  2. teacher-forces held-out text once, recording per position and exit the criterion's score and whether the exit's
+     argmax equals the final one;
+  3. on split A, searches exit subsets x thresholds for the highest predicted tokens/s whose agreement with full
+     depth reaches the target (full depth itself is a candidate: if no policy beats it, exits stay off);
+  4. reports agreement, mean exit layer and predicted speed-up of the choice on split B, and stores it in the model's
+     config (so `generate()` with no exit arguments uses it), its card and `calibration.json`.
+
+The simulation is per token (batch 1): with `policy="batch"` and larger batches a step exits only when every row is
+confident, so real exit rates are lower. The benchmark measures real decoding.
+
+Python use:
+    report = calibrate(model, heldout_blocks, criterion="max_prob", target_agreement=0.95)
+    apply_calibration(model, report)
+"""
+
+import itertools
+import json
+import math
+import os
+import shutil
+import statistics
+import sys
+import time
+
+if __package__ in (None, ""):  # run as `python training/calibrate.py`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+from torch.nn import functional as F
+
+LOGIT_CRITERIA = ("max_prob", "margin", "entropy")
+CRITERIA = ("max_prob", "margin", "entropy", "cosine", "learned")
+
+
+# ------------------------------------------------------------------------------------------------------------ scores
+def scores_from_logits(logits: torch.Tensor, criterion: str) -> torch.Tensor:
+    """(..., V) logits -> (...) confidence scores, exactly as decoding computes them."""
+    probs = logits.float().softmax(-1)
+    if criterion == "max_prob":
+        return probs.max(-1).values
+    if criterion == "margin":
+        top2 = probs.topk(2, dim=-1).values
+        return top2[..., 0] - top2[..., 1]
+    if criterion == "entropy":
+        entropy = -(probs * torch.log(probs.clamp_min(1e-30))).sum(-1)
+        return 1.0 - entropy / math.log(probs.shape[-1])
+    raise ValueError(f"`criterion` {criterion!r} is not a logit criterion {LOGIT_CRITERIA}.")
+
+
+@torch.no_grad()
+def collect_exit_scores(model, blocks: torch.LongTensor, criterion: str, batch_size: int = 4,
+                        skip_positions: int = 0) -> dict:
+    """Teacher-forced over `blocks` (n, T): per position, each exit's score under `criterion` and argmax, and the
+    final layer's argmax. Returns {"scores": (N, E) float, "argmax": (N, E) long, "final": (N,) long}."""
+    if criterion not in CRITERIA:
+        raise ValueError(f"`criterion` must be one of {list(CRITERIA)}, got {criterion!r}.")
+    if criterion == "learned" and model.confidence_heads is None:
+        raise ValueError("`criterion='learned'` needs confidence heads: fit them with `--confidence-steps N`.")
+    device = model.model.embed_tokens.weight.device
+    was_training = model.training
+    model.eval()
+    scores, argmaxes, finals = [], [], []
+    for start in range(0, blocks.shape[0], batch_size):
+        ids = blocks[start:start + batch_size].to(device)
+        hidden = model.model(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
+        keep = slice(skip_positions, None)
+        finals.append(model.lm_head(hidden[-1][:, keep]).argmax(-1).flatten().cpu())
+        s_row, a_row = [], []
+        for i, layer in enumerate(model.config.exit_layers):
+            h_out = hidden[layer + 1][:, keep]
+            x = model.exit_heads[i](h_out)
+            logits = model.lm_head(x)
+            a_row.append(logits.argmax(-1).flatten().cpu())
+            if criterion in LOGIT_CRITERIA:
+                s = scores_from_logits(logits, criterion)
+            elif criterion == "cosine":  # leaving vs entering the exit layer
+                s = F.cosine_similarity(h_out.float(), hidden[layer][:, keep].float(), dim=-1)
+            else:
+                s = model.confidence_heads[i](x)
+            s_row.append(s.float().flatten().cpu())
+        scores.append(torch.stack(s_row, 1))
+        argmaxes.append(torch.stack(a_row, 1))
+    model.train(was_training)
+    return {"scores": torch.cat(scores), "argmax": torch.cat(argmaxes), "final": torch.cat(finals)}
+
+
+# -------------------------------------------------------------------------------------------------------------- costs
+def _median_ms(fn, repeats: int, sync) -> float:
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - start) * 1000)
+    return statistics.median(times)
+
+
+@torch.no_grad()
+def measure_costs(model, criterion: str = "max_prob", batch_size: int = 1, context: int = 32,
+                  repeats: int = 20) -> dict:
+    """Times, on this machine, one decode step (query length 1, `context` cached tokens) of: a decoder layer, an exit
+    check (head + score for logit criteria; cosine or confidence head otherwise), the LM head through an exit head,
+    and one layer's K/V backfill. Returns milliseconds and costs in layer steps (`head_cost`, `check_cost`,
+    `backfill_cost`)."""
+    decoder, config = model.model, model.config
+    device = decoder.embed_tokens.weight.device
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    was_training = model.training
+    model.eval()
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, config.vocab_size, (batch_size, context), generator=generator).to(device)
+    cache = model(input_ids=ids, use_cache=True).cache
+    token = torch.randint(0, config.vocab_size, (batch_size, 1), generator=generator).to(device)
+    h = decoder.embed_tokens(token)  # (B, 1, D)
+    position_ids = torch.full((batch_size, 1), context, device=device)
+    pos_emb = decoder.rotary_emb(h, position_ids)
+    masks = model.family.build_masks(config, h, None, cache, position_ids)
+    layers = list(range(config.num_hidden_layers))
+    probe = sorted({layers[0], layers[len(layers) // 2], layers[-1]})
+
+    def layer_step(j):
+        layer = decoder.layers[j]
+        layer(h, attention_mask=masks[model.family.layer_type(config, j)], position_embeddings=pos_emb,
+              position_ids=position_ids, cache=cache, use_cache=True)
+        cache.layers[j].crop(-1)  # only layer j grew by one token
+
+    def backfill(j):
+        layer = decoder.layers[j]
+        k, v = model.family.key_value(layer.self_attn, layer.input_layernorm(h), pos_emb)
+        cache.update(k, v, j)
+        cache.layers[j].crop(-1)  # only layer j grew by one token
+
+    h_last = h[:, -1]  # (B, D)
+    exit_index = len(config.exit_layers) - 1
+    head = lambda: model.exit_logits_from_hidden(exit_index, h_last)  # noqa: E731
+    if criterion in LOGIT_CRITERIA:
+        check = lambda: scores_from_logits(head(), criterion)  # noqa: E731
+    elif criterion == "cosine":
+        check = lambda: F.cosine_similarity(h_last.float(), h_last.float() + 1, dim=-1)  # noqa: E731
+    else:
+        heads = model.confidence_heads
+        if heads is None:
+            raise ValueError("`criterion='learned'` needs confidence heads.")
+        check = lambda: heads[exit_index](model.exit_heads[exit_index](h_last))  # noqa: E731
+    layer_ms = statistics.median(_median_ms(lambda j=j: layer_step(j), repeats, sync) for j in probe)
+    head_ms = _median_ms(lambda: scores_from_logits(head(), "max_prob"), repeats, sync)
+    check_ms = _median_ms(check, repeats, sync)
+    backfill_ms = statistics.median(_median_ms(lambda j=j: backfill(j), repeats, sync) for j in probe)
+    model.train(was_training)
+    layer_ms = max(layer_ms, 1e-6)
+    return {"device": str(device), "dtype": str(decoder.embed_tokens.weight.dtype), "batch_size": batch_size,
+            "context": context, "layer_ms": round(layer_ms, 5), "head_ms": round(head_ms, 5),
+            "check_ms": round(check_ms, 5), "backfill_ms": round(backfill_ms, 5),
+            "head_cost": round(head_ms / layer_ms, 4), "check_cost": round(check_ms / layer_ms, 4),
+            "backfill_cost": round(backfill_ms / layer_ms, 4)}
+
+
+# --------------------------------------------------------------------------------------------------------- simulation
+def simulate(data: dict, exit_layers: list, num_layers: int, check: list, thresholds: list, costs: dict,
+             criterion: str, patience: int = 0) -> dict:
+    """Teacher-forced simulation of decoding with exits `check` (indices into `exit_layers`, increasing) at
+    `thresholds`. A token exits at the first checked exit whose score >= threshold (or, with patience k, whose argmax
+    the k-1 checked exits before it share). Cost per token, in layer steps: layers run + checks made x check cost
+    (a logit criterion reuses the head on exit; the others pay the head once) + backfill x skipped layers.
+    Returns agreement, mean exit layer (0-based, full depth = num_layers - 1), exit rate and predicted speed-up."""
+    scores, argmax, final = data["scores"][:, check], data["argmax"][:, check], data["final"]
+    n, m = scores.shape
+    fire = scores >= torch.tensor(thresholds, dtype=scores.dtype)
+    if patience:
+        run = torch.ones_like(argmax)
+        for j in range(1, m):
+            run[:, j] = torch.where(argmax[:, j] == argmax[:, j - 1], run[:, j - 1] + 1, torch.ones_like(run[:, j]))
+        fire |= run >= patience
+    fired = fire.any(1)
+    first = torch.where(fired, fire.float().argmax(1), torch.full((n,), m - 1))
+    layers_t = torch.tensor([exit_layers[c] for c in check])
+    exit_layer = torch.where(fired, layers_t[first], torch.full((n,), num_layers - 1))
+    chosen = torch.where(fired, argmax.gather(1, first[:, None]).squeeze(1), final)
+    checks = (first + 1).double()
+    logit_check = criterion in LOGIT_CRITERIA or patience > 0
+    per_check = costs["head_cost"] if logit_check else costs["check_cost"]
+    head_once = torch.where(fired, 0.0 if logit_check else costs["head_cost"], costs["head_cost"]).double()
+    cost = (exit_layer + 1).double() + checks * per_check + head_once \
+        + costs["backfill_cost"] * (num_layers - 1 - exit_layer).double()
+    full = num_layers + costs["head_cost"]
+    return {"agreement": float((chosen == final).double().mean()), "mean_exit_layer": float(exit_layer.double().mean()),
+            "exit_rate": float(fired.double().mean()), "speedup": float(full / cost.mean()), "positions": n}
+
+
+def _threshold_grid(values: torch.Tensor, count: int = 40) -> list[float]:
+    """Candidate thresholds: quantiles of the observed scores, denser near the top, plus the maximum."""
+    if values.numel() == 0:
+        return []
+    qs = torch.cat([torch.linspace(0, 0.9, count // 2), 1 - torch.logspace(-1, -4, count - count // 2)])
+    grid = torch.quantile(values.double()[: 1_000_000], qs.double()).tolist()
+    return sorted(set(float(v) for v in grid))
+
+
+def _subsets(num_exits: int) -> list[tuple]:
+    if num_exits <= 4:
+        return [c for k in range(1, num_exits + 1) for c in itertools.combinations(range(num_exits), k)]
+    return ([(i,) for i in range(num_exits)] + list(itertools.combinations(range(num_exits), 2))
+            + [tuple(range(num_exits))])
+
+
+def search_policy(data: dict, exit_layers: list, num_layers: int, costs: dict, criterion: str,
+                  target_agreement: float, patience: int = 0, refine_passes: int = 2) -> dict:
+    """The fastest (predicted) exit subset and thresholds whose agreement on `data` reaches the target. Searches
+    small subsets with one shared threshold, then refines the best subsets exit by exit. Returns {"best": dict or
+    None, "candidates": best per subset}."""
+
+    def better(a, b):
+        return b is None or a["speedup"] > b["speedup"] or (a["speedup"] == b["speedup"] and a["agreement"] > b["agreement"])
+
+    per_subset = []
+    for subset in _subsets(len(exit_layers)):
+        check = list(subset)
+        grid = _threshold_grid(data["scores"][:, check].flatten())
+        best = None
+        for t in grid:
+            r = simulate(data, exit_layers, num_layers, check, [t] * len(check), costs, criterion, patience)
+            if r["agreement"] >= target_agreement and better(r, best):
+                best = dict(r, check=check, thresholds=[t] * len(check))
+        if best is not None:
+            per_subset.append(best)
+    per_subset.sort(key=lambda r: -r["speedup"])
+    for start in per_subset[:3]:  # coordinate refinement: one threshold at a time
+        current = start
+        for _ in range(refine_passes):
+            for k, c in enumerate(current["check"]):
+                for t in _threshold_grid(data["scores"][:, c]):
+                    thresholds = list(current["thresholds"])
+                    thresholds[k] = t
+                    r = simulate(data, exit_layers, num_layers, current["check"], thresholds, costs, criterion, patience)
+                    if r["agreement"] >= target_agreement and better(r, current):
+                        current = dict(r, check=current["check"], thresholds=thresholds)
+        if better(current, start):
+            per_subset.append(current)
+    per_subset.sort(key=lambda r: -r["speedup"])
+    return {"best": per_subset[0] if per_subset else None, "candidates": per_subset[:10]}
+
+
+# ---------------------------------------------------------------------------------------------------------- calibrate
+def _as_blocks(data, tokenizer, block_size):
+    if isinstance(data, torch.Tensor):
+        if data.ndim != 2:
+            raise ValueError(f"Calibration blocks must be (n, block_size), got shape {tuple(data.shape)}.")
+        return data
+    if tokenizer is None or block_size is None:
+        raise ValueError("Calibrating on texts needs `tokenizer` and `block_size`.")
+    from training.data import tokenize_blocks
+
+    return tokenize_blocks(list(data), tokenizer, block_size)
+
+
+def calibrate(model, data, tokenizer=None, criterion: str = "max_prob", target_agreement: float = 0.95,
+              policy: str = "batch", patience: int = 0, kv: str | None = None, block_size: int | None = None,
+              costs: dict | None = None, batch_size: int = 4, seed: int = 0, measure_batch_size: int = 1) -> dict:
+    """Chooses the exits to check and their thresholds for `model` (an early-exit model, fitted).
+
+    data: held-out blocks `(n, block_size)` (n >= 2), or texts (with `tokenizer`, `block_size`). Split in two
+        (seeded): the choice is made on split A and reported on split B.
+    costs: measured with `measure_costs` when None; pass a dict (head_cost, check_cost, backfill_cost in layer steps)
+        to pin them (tests, or another target machine).
+    Returns the report (see `calibration.json`); `apply_calibration(model, report)` stores the choice.
+    """
+    if criterion not in CRITERIA:
+        raise ValueError(f"`criterion` must be one of {list(CRITERIA)}, got {criterion!r}.")
+    if not 0 < target_agreement <= 1:
+        raise ValueError(f"`target_agreement` must be in (0, 1], got {target_agreement!r}.")
+    if policy not in ("batch", "row"):
+        raise ValueError(f"`policy` must be 'batch' or 'row', got {policy!r}.")
+    if isinstance(patience, bool) or not isinstance(patience, int) or patience < 0 or patience == 1:
+        raise ValueError(f"`patience` must be 0 (off) or an integer >= 2, got {patience!r}.")
+    exit_layers = list(model.config.exit_layers)
+    if not exit_layers:
+        raise ValueError("The model has no exit heads to calibrate (`config.exit_layers` is empty).")
+    blocks = _as_blocks(data, tokenizer, block_size)
+    if blocks.shape[0] < 2:
+        raise ValueError(f"Calibration needs at least 2 held-out blocks (one to choose on, one to report on), got "
+                         f"{blocks.shape[0]}; give more text or a smaller block size.")
+    order = torch.randperm(blocks.shape[0], generator=torch.Generator().manual_seed(seed))
+    half = blocks.shape[0] // 2
+    split_a, split_b = blocks[order[:half]], blocks[order[half:]]
+    num_layers = model.config.num_hidden_layers
+    if costs is None:
+        costs = measure_costs(model, criterion, batch_size=measure_batch_size)
+    costs = dict(costs)
+    costs.setdefault("check_cost", 0.0)
+    data_a = collect_exit_scores(model, split_a, criterion, batch_size)
+    data_b = collect_exit_scores(model, split_b, criterion, batch_size)
+    found = search_policy(data_a, exit_layers, num_layers, costs, criterion, target_agreement, patience)
+    best = found["best"]
+    per_exit_b = [round(float((data_b["argmax"][:, i] == data_b["final"]).double().mean()), 4)
+                  for i in range(len(exit_layers))]
+    report = {"criterion": criterion, "policy": policy, "patience": patience, "kv": kv or "immediate",
+              "target_agreement": target_agreement, "exit_layers": exit_layers, "num_hidden_layers": num_layers,
+              "costs": costs, "positions": {"A": int(data_a["final"].numel()), "B": int(data_b["final"].numel())},
+              "per_exit_agreement_B": per_exit_b, "chosen": None, "selection_A": None, "heldout_B": None,
+              "candidates": [{**{k: v for k, v in c.items() if k != "check"},
+                              "check_layers": [exit_layers[i] for i in c["check"]]} for c in found["candidates"]]}
+    if best is not None and best["speedup"] >= 1.0:
+        check_layers = [exit_layers[i] for i in best["check"]]
+        report["chosen"] = {"check_layers": check_layers, "thresholds": [float(t) for t in best["thresholds"]]}
+        report["selection_A"] = {k: best[k] for k in ("agreement", "mean_exit_layer", "exit_rate", "speedup")}
+        report["heldout_B"] = simulate(data_b, exit_layers, num_layers, best["check"], best["thresholds"], costs,
+                                       criterion, patience)
+        report["message"] = (f"check exits {check_layers} at thresholds "
+                             f"{[round(t, 4) for t in best['thresholds']]}: predicted {report['heldout_B']['speedup']:.2f}x "
+                             f"at agreement {report['heldout_B']['agreement']:.3f} on held-out split B")
+    elif best is not None:
+        report["message"] = (f"exits left off: the best policy reaching agreement {target_agreement} "
+                             f"(exits {[exit_layers[i] for i in best['check']]}) predicts only {best['speedup']:.2f}x, "
+                             "slower than full depth once check costs are counted")
+    else:
+        report["message"] = f"exits left off: no exit policy reaches agreement {target_agreement} on split A"
+    return report
+
+
+def apply_calibration(model, report: dict) -> None:
+    """Stores the report's choice in `model.config` (generate() then uses it with no exit arguments); with no choice,
+    exits are turned off (full depth)."""
+    config = model.config
+    chosen = report.get("chosen")
+    if chosen:
+        config.exit_criterion = report["criterion"]
+        thresholds = chosen["thresholds"]
+        config.exit_threshold = thresholds[0] if len(set(thresholds)) == 1 else list(thresholds)
+        config.exit_check_layers = list(chosen["check_layers"])
+        config.exit_policy = report["policy"]
+        config.exit_patience = report["patience"]
+        config.exit_kv = report.get("kv", "immediate")
+    else:
+        config.exit_criterion = None
+        config.exit_threshold = None
+        config.exit_check_layers = None
+        config.exit_patience = 0
+    config.validate_early_exit()
+
+
+def calibration_card(report: dict) -> str:
+    """The card's calibration section (markdown)."""
+    c = report["costs"]
+    lines = [
+        f"Criterion `{report['criterion']}`, policy `{report['policy']}`, patience {report['patience']}, "
+        f"target greedy agreement with full depth >= {report['target_agreement']}.",
+        "",
+        f"Measured costs on `{c.get('device', '?')}` ({c.get('dtype', '?')}, batch {c.get('batch_size', '?')}), in "
+        f"decoder-layer steps: exit check with the LM head {c['head_cost']:.2f}, cheap check {c['check_cost']:.2f}, "
+        f"K/V backfill per skipped layer {c['backfill_cost']:.2f}.",
+        "",
+    ]
+    if report.get("chosen"):
+        a, b = report["selection_A"], report["heldout_B"]
+        thresholds = ", ".join(f"{layer}: {t:.4g}" for layer, t in
+                               zip(report["chosen"]["check_layers"], report["chosen"]["thresholds"]))
+        lines += [
+            f"Chosen: check exits {report['chosen']['check_layers']} with thresholds {{{thresholds}}} "
+            "(stored in `config.json`; `generate()` uses them when called without exit arguments).",
+            "",
+            "| split | positions | agreement | mean exit layer | exit rate | predicted speed-up |",
+            "|---|---|---|---|---|---|",
+            f"| A (chosen on) | {report['positions']['A']} | {a['agreement']:.3f} | {a['mean_exit_layer']:.2f} | "
+            f"{a['exit_rate']:.3f} | {a['speedup']:.2f}x |",
+            f"| B (reported) | {report['positions']['B']} | {b['agreement']:.3f} | {b['mean_exit_layer']:.2f} | "
+            f"{b['exit_rate']:.3f} | {b['speedup']:.2f}x |",
+        ]
+    else:
+        lines.append(f"**Early exit is off by default**: {report['message']}. Pass exit arguments to `generate()` "
+                     "to try it anyway.")
+    lines += ["", "Predicted speed-ups are teacher-forced simulations at batch 1 with the measured costs; the "
+              "benchmark measures real decoding. Full report: `calibration.json`."]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------- cli
+def build_parser():
+    import argparse
+
+    p = argparse.ArgumentParser(prog="ee-transformers calibrate", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("model", help="an early-exit model folder (fitted)")
+    p.add_argument("--data", nargs="+", required=True, help="held-out text / JSON lines / datasets files or globs")
+    p.add_argument("--text-field", default="text")
+    p.add_argument("--criterion", default="max_prob", choices=list(CRITERIA))
+    p.add_argument("--target-agreement", type=float, default=0.95)
+    p.add_argument("--policy", default="batch", choices=["batch", "row"])
+    p.add_argument("--patience", type=int, default=0)
+    p.add_argument("--kv", default="immediate", choices=["immediate", "deferred"])
+    p.add_argument("--block-size", type=int, default=256)
+    p.add_argument("--max-blocks", type=int, default=64, help="use at most this many held-out blocks")
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--measure-batch-size", type=int, default=1, help="batch size at which costs are measured")
+    p.add_argument("--costs", help="JSON with head_cost/check_cost/backfill_cost to use instead of measuring")
+    p.add_argument("--out", help="write the calibrated folder here (default: update the model folder in place)")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def main(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return _run(args)
+    except ValueError as error:
+        parser.exit(2, f"ee-transformers calibrate: error: {error}\n")
+
+
+def _run(args):
+    import ee_transformers as eet
+    from training.data import check_block_size, read_texts, tokenize_blocks
+    from training.fit_exit_heads import save_model_folder
+
+    folder = args.model
+    config_file = os.path.join(folder, "config.json")
+    if not os.path.isfile(config_file):
+        raise ValueError(f"{folder!r} is not a model folder: no config.json in it.")
+    with open(config_file) as f:
+        folder_config = json.load(f)
+    if not folder_config.get("exit_layers"):
+        raise ValueError(f"{folder!r} has no exit heads: build and fit them first (ee-transformers fit).")
+    if args.patience < 0 or args.patience == 1:
+        raise ValueError(f"`--patience` must be 0 or >= 2, got {args.patience}.")
+
+    class _Limits:
+        max_position_embeddings = folder_config.get("max_position_embeddings")
+
+    check_block_size(args.block_size, _Limits)
+    costs = json.loads(args.costs) if args.costs else None
+    texts = read_texts(args.data, args.text_field)
+    model = eet.from_base(folder)
+    if model.tokenizer is None:
+        raise ValueError(f"{folder!r} has no tokenizer to tokenise the calibration text.")
+    blocks = tokenize_blocks(texts, model.tokenizer, args.block_size)[: args.max_blocks]
+    report = calibrate(model, blocks, criterion=args.criterion, target_agreement=args.target_agreement,
+                       policy=args.policy, patience=args.patience, kv=args.kv, costs=costs,
+                       batch_size=args.batch_size, seed=args.seed, measure_batch_size=args.measure_batch_size)
+    report["data"] = [os.path.basename(p) for p in args.data]
+    apply_calibration(model, report)
+    card = {}
+    fit_report = os.path.join(folder, "fit_report.json")
+    if os.path.isfile(fit_report):
+        with open(fit_report) as f:
+            card = dict(json.load(f).get("card", {}))
+    card["calibration"] = calibration_card(report)
+    out = args.out or folder
+    save_model_folder(model, out, model.tokenizer, card, {"calibration.json": report}, carry_from=folder)
+    print(f"Calibrated {out}: {report['message']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
