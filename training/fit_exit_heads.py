@@ -315,8 +315,7 @@ def attach_lora(model, config: FitConfig):
         raise ValueError("`lora_rank` > 0 needs peft: pip install 'ee-transformers[train]'.") from None
     lora_config = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha or 2 * config.lora_rank,
                              lora_dropout=config.lora_dropout, target_modules=LORA_TARGETS, bias="none")
-    # only decoder layers: the exit adapters' `up`/`down` would otherwise match nothing, but be explicit anyway
-    lora_config.layers_pattern = "layers"
+    # names match the decoder layers' projections only (the exit adapters' modules are `down` / `up`)
     return get_peft_model(model, lora_config)
 
 
@@ -860,6 +859,7 @@ def _run(args):
         adapter_tmp = os.path.abspath(args.out).rstrip(os.sep) + f".adapter-{os.getpid()}"
         final.save_pretrained(adapter_tmp)
         extra_dirs["lora_adapter"] = adapter_tmp
+        ee = final.unload()  # the original backbone weights, adapter modules removed (not merged)
     data_desc = ", ".join(sorted({os.path.basename(p) for p in args.data}))
     base_model = folder_config.get("_name_or_path") or os.path.basename(os.path.normpath(args.model))
     card = {"base_model": base_model,
