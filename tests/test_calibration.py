@@ -1,0 +1,158 @@
+"""Tests for training/calibrate.py: the cost model and simulation on hand-made scores, the search, storing the choice
+so that `generate()` uses it, and the `calibrate` command. Tiny random models only."""
+
+import json
+import os
+
+import pytest
+import torch
+
+import ee_transformers as eet
+from training.calibrate import (apply_calibration, calibrate, collect_exit_scores, main, measure_costs,
+                                scores_from_logits, search_policy, simulate)
+from training.data import load_blocks
+from training.fit_exit_heads import FitConfig, fit_exit_heads, save_model_folder
+from training.tiny import save_tiny_base, tiny_texts, tiny_tokenizer, write_texts
+
+torch.set_num_threads(1)
+FREE = {"head_cost": 0.0, "check_cost": 0.0, "backfill_cost": 0.0}
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory):
+    """A tiny Llama with fitted adapter exits after layers 0, 1, 2, saved with its tokenizer; and held-out blocks."""
+    root = tmp_path_factory.mktemp("cal")
+    base = save_tiny_base(root / "base")
+    files = write_texts(root / "text", tiny_texts(n_docs=10))
+    splits = load_blocks(files, tiny_tokenizer(), 32, heldout_fraction=0.4)
+    torch.manual_seed(0)
+    model = eet.from_base(base, exit_layers=[0, 1, 2], exit_head="adapter", exit_adapter_rank=8)
+    fit_exit_heads(model, splits.train, None, FitConfig(steps=15, batch_size=4, lr=1e-2, progress=False))
+    folder = save_model_folder(model, root / "ee", tiny_tokenizer())
+    return folder, files, splits.heldout
+
+
+def hand_data():
+    # 4 positions, exits at layers 1 and 3 of a 6-layer model
+    return {"scores": torch.tensor([[0.9, 0.9], [0.2, 0.8], [0.1, 0.1], [0.6, 0.2]]),
+            "argmax": torch.tensor([[5, 5], [4, 7], [1, 2], [3, 9]]),
+            "final": torch.tensor([5, 7, 8, 9])}
+
+
+def test_simulate_cost_model_by_hand():
+    costs = {"head_cost": 2.0, "check_cost": 0.5, "backfill_cost": 0.1}
+    r = simulate(hand_data(), [1, 3], 6, [0, 1], [0.5, 0.5], costs, "max_prob")
+    # exits: pos0 at layer 1 (right), pos1 at 3 (right), pos2 full depth (right), pos3 at 1 (wrong: 3 != 9)
+    assert r["agreement"] == 0.75 and r["exit_rate"] == 0.75
+    assert r["mean_exit_layer"] == pytest.approx((1 + 3 + 5 + 1) / 4)
+    # cost = layers run + checks x head (reused on exit) + backfill x skipped; never-exit pays both checks + final head
+    costs_by_hand = [2 + 1 * 2 + 0.1 * 4, 4 + 2 * 2 + 0.1 * 2, 6 + 2 * 2 + 2, 2 + 1 * 2 + 0.1 * 4]
+    assert r["speedup"] == pytest.approx((6 + 2) / (sum(costs_by_hand) / 4))
+    cheap = simulate(hand_data(), [1, 3], 6, [0, 1], [0.5, 0.5], costs, "cosine")
+    costs_by_hand = [2 + 0.5 + 2 + 0.4, 4 + 1.0 + 2 + 0.2, 6 + 1.0 + 2, 2 + 0.5 + 2 + 0.4]
+    assert cheap["speedup"] == pytest.approx(8 / (sum(costs_by_hand) / 4)), "cosine checks are cheap, head paid once"
+
+
+def test_simulate_patience():
+    data = hand_data()
+    r = simulate(data, [1, 3], 6, [0, 1], [2.0, 2.0], FREE, "max_prob", patience=2)
+    # thresholds never fire; only position 0 has the same argmax at both exits -> exits at layer 3
+    assert r["exit_rate"] == 0.25 and r["mean_exit_layer"] == pytest.approx((3 + 5 + 5 + 5) / 4)
+
+
+def test_search_meets_target_on_its_own_data():
+    data = hand_data()
+    found = search_policy(data, [1, 3], 6, FREE, "max_prob", target_agreement=1.0)
+    best = found["best"]
+    r = simulate(data, [1, 3], 6, best["check"], best["thresholds"], FREE, "max_prob")
+    assert r["agreement"] == 1.0 and r["speedup"] == pytest.approx(best["speedup"])
+    assert best["speedup"] > 1.0, "with free checks, exiting pos 0 at layer 1 and pos 1 at layer 3 is right and faster"
+
+
+def test_scores_from_logits():
+    logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
+    assert scores_from_logits(logits, "max_prob").item() == pytest.approx(0.7)
+    assert scores_from_logits(logits, "margin").item() == pytest.approx(0.5)
+    uniform = scores_from_logits(torch.zeros(1, 3), "entropy").item()
+    assert uniform == pytest.approx(0.0, abs=1e-6)
+
+
+def test_collect_scores_match_forward(fitted):
+    folder, _, heldout = fitted
+    model = eet.from_base(folder)
+    data = collect_exit_scores(model, heldout[:2], "max_prob")
+    with torch.no_grad():
+        out = model(heldout[:2], output_exit_logits=True)
+    assert torch.equal(data["final"], out.logits.argmax(-1).flatten())
+    assert torch.equal(data["argmax"][:, 1], out.exit_logits[1].argmax(-1).flatten())
+    assert torch.allclose(data["scores"][:, 1], out.exit_logits[1].softmax(-1).max(-1).values.flatten(), atol=1e-5)
+
+
+def test_measure_costs_reports_layer_equivalents(fitted):
+    model = eet.from_base(fitted[0])
+    costs = measure_costs(model, repeats=5)
+    assert costs["layer_ms"] > 0 and costs["head_cost"] > 0 and costs["backfill_cost"] > 0
+    assert costs["head_cost"] == pytest.approx(costs["head_ms"] / costs["layer_ms"], rel=1e-2)
+
+
+def test_calibrate_meets_target_and_generate_uses_it(fitted, tmp_path):
+    folder, _, heldout = fitted
+    model = eet.from_base(folder)
+    report = calibrate(model, heldout, target_agreement=0.6, costs=FREE)
+    assert report["chosen"] is not None, report["message"]
+    assert report["selection_A"]["agreement"] >= 0.6, "the choice must meet the target on the split it was chosen on"
+    assert set(report["heldout_B"]) >= {"agreement", "mean_exit_layer", "speedup"}
+    apply_calibration(model, report)
+    out = save_model_folder(model, tmp_path / "calibrated", tiny_tokenizer())
+    reloaded = eet.from_base(out)
+    assert reloaded.config.exit_check_layers == report["chosen"]["check_layers"]
+    gen = reloaded.generate(heldout[:2, :8], max_new_tokens=12, return_dict_in_generate=True)  # no exit arguments
+    allowed = set(report["chosen"]["check_layers"]) | {reloaded.config.num_hidden_layers - 1}
+    used = set(gen.exit_layers.flatten().tolist()) - {-1}
+    assert used <= allowed, f"exits not chosen must be skipped at decode time: used {used}, allowed {allowed}"
+    assert used - {reloaded.config.num_hidden_layers - 1}, "a calibrated model should exit early sometimes"
+
+
+def test_calibrate_leaves_exits_off_when_nothing_pays(fitted):
+    folder, _, heldout = fitted
+    model = eet.from_base(folder)
+    model.config.exit_criterion, model.config.exit_threshold = "max_prob", 0.5  # stale settings must be cleared
+    report = calibrate(model, heldout, target_agreement=0.99,
+                       costs={"head_cost": 50.0, "check_cost": 50.0, "backfill_cost": 1.0})
+    assert report["chosen"] is None and "off" in report["message"]
+    apply_calibration(model, report)
+    assert model.config.exit_criterion is None and model.config.exit_threshold is None
+    gen = model.generate(heldout[:1, :6], max_new_tokens=4, return_dict_in_generate=True)
+    assert (gen.exit_layers == model.config.num_hidden_layers - 1).all()
+
+
+def test_calibrate_needs_two_blocks(fitted):
+    model = eet.from_base(fitted[0])
+    with pytest.raises(ValueError, match="at least 2 held-out blocks"):
+        calibrate(model, fitted[2][:1], costs=FREE)
+
+
+def test_cli_calibrate_in_place(fitted, tmp_path):
+    folder, files, _ = fitted
+    work = tmp_path / "model"
+    import shutil
+
+    shutil.copytree(folder, work)
+    (work / "fit_report.json").write_text(json.dumps({"card": {"training": "FITTED-HERE"}}))
+    argv = [str(work), "--data", *files, "--block-size", "32", "--target-agreement", "0.6", "--costs", json.dumps(FREE)]
+    assert main(argv) == 0
+    report = json.loads((work / "calibration.json").read_text())
+    config = json.loads((work / "config.json").read_text())
+    assert config["exit_criterion"] == "max_prob" and config["exit_check_layers"] == report["chosen"]["check_layers"]
+    card = (work / "README.md").read_text()
+    assert "FITTED-HERE" in card, "the training section survives calibration"
+    assert "B (reported)" in card
+    assert (work / "fit_report.json").exists() and not [n for n in os.listdir(tmp_path) if "partial" in n]
+
+
+def test_cli_calibrate_rejects_plain_folder(tmp_path, capsys):
+    base = save_tiny_base(tmp_path / "plain")
+    texts = write_texts(tmp_path / "t", tiny_texts(n_docs=2))
+    with pytest.raises(SystemExit):
+        main([base, "--data", *texts, "--block-size", "32"])
+    assert "has no exit heads" in capsys.readouterr().err
