@@ -1,0 +1,123 @@
+"""Forced-profile benchmark at Llama-3-8B's shape on a GPU: early-exit generate vs plain transformers generate.
+
+Only the repository travels to the GPU machine (no model hub), so the weights are random bf16, built directly on the
+GPU with Llama-3-8B's config (32 layers, hidden 4096, 32 heads / 8 KV heads, FFN 14336, vocab 128256). Random weights
+decide nothing, which is the point: forced exits draw each token's exit layer from a profile (25% / 50% / 75% of the
+tokens at a quarter / half / three quarters of the depth, and a mixed profile) and decode through the same code path
+as real exits, so what is measured is the implementation: realised speed-up against the ideal one of the measured
+cost model (layer step, head, backfill), at batch 1/8/32/64, for both policies and both KV modes, and the overhead of
+the early-exit class with exits disabled. Plain `LlamaForCausalLM.generate` runs on the very same modules.
+
+    python benchmarks/gpu_llama8b_forced.py                       # the GPU run (about 2-4 min per batch size)
+    python benchmarks/gpu_llama8b_forced.py --new-tokens 64 --repeats 2 --batch-sizes 1,8,32,64   # a shorter one
+    python benchmarks/gpu_llama8b_forced.py --tiny                # CPU smoke run of the same code (seconds)
+
+Results (JSON, markdown table) are written after every batch size, so a run cut short keeps what it finished.
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run from a bare checkout, without installing the package
+    sys.path.insert(0, str(ROOT))
+
+from ee_transformers import bench  # noqa: E402
+from ee_transformers.configuration_early_exit import EarlyExitLlamaConfig  # noqa: E402
+from ee_transformers.modeling_early_exit import EarlyExitLlamaForCausalLM  # noqa: E402
+
+LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                 rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, tie_word_embeddings=False,
+                 bos_token_id=128000, eos_token_id=128001, pad_token_id=128001)
+EXITS_8B = [7, 15, 23]  # a quarter, half and three quarters of the depth
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=1,
+            eos_token_id=2, pad_token_id=2)
+EXITS_TINY = [1, 3, 5]
+
+
+def build_model(fields, exit_layers, dtype, device, seed=0):
+    """A random-weight early-exit Llama built in place on `device` (no CPU copy), and its plain twin."""
+    torch.manual_seed(seed)
+    config = EarlyExitLlamaConfig(**fields, exit_layers=exit_layers, exit_head="norm")
+    config._attn_implementation = "sdpa"
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = EarlyExitLlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    model.eval()
+    return model, bench.plain_twin(model)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="small config on CPU in fp32: a smoke run of this script")
+    parser.add_argument("--batch-sizes", type=bench._int_list, default=None, help="default 1,8,32,64 (tiny: 1,4)")
+    parser.add_argument("--new-tokens", type=int, default=None, help="default 128 (tiny: 8)")
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=None, help="default 3 (tiny: 1)")
+    parser.add_argument("--forced-grid", choices=["profiles", "full"], default="profiles")
+    parser.add_argument("--device", default=None, help="default cuda (tiny: cpu)")
+    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
+                        help="default bfloat16 (tiny: float32)")
+    parser.add_argument("--no-profile", action="store_true", help="skip the per-step time profiles")
+    parser.add_argument("--out", default=None, help="output folder (default benchmarks/results/gpu_llama8b_forced, "
+                                                    "tiny: benchmarks/results/gpu_llama8b_forced_tiny)")
+    args = parser.parse_args(argv)
+    tiny = args.tiny
+    batch_sizes = args.batch_sizes or ([1, 4] if tiny else [1, 8, 32, 64])
+    new_tokens = args.new_tokens or (8 if tiny else 128)
+    repeats = args.repeats or (1 if tiny else 3)
+    device = torch.device(args.device or ("cpu" if tiny else "cuda"))
+    dtype = getattr(torch, args.dtype or ("float32" if tiny else "bfloat16"))
+    out_dir = Path(args.out or ROOT / "benchmarks" / "results" / ("gpu_llama8b_forced_tiny" if tiny
+                                                                  else "gpu_llama8b_forced"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.exit(2, "No CUDA device: run on a GPU machine, or pass --tiny for a CPU smoke run.\n")
+
+    start = time.perf_counter()
+    fields, exits = (TINY, EXITS_TINY) if tiny else (LLAMA3_8B, EXITS_8B)
+    ee_model, plain_model = build_model(fields, exits, dtype, device)
+    print(f"[gpu-bench] built {'tiny' if tiny else 'Llama-3-8B-shaped'} random model on {device} ({dtype}) in "
+          f"{time.perf_counter() - start:.0f} s", flush=True)
+    prompts = bench.random_prompts(ee_model.config.vocab_size, max(batch_sizes), args.prompt_tokens)
+    profiles = list(bench.FORCED_GRID) if args.forced_grid == "full" else list(bench.FORCED_PROFILES)
+    merged = None
+    for batch_size in batch_sizes:
+        report = bench.run_benchmark(ee_model, plain_model, prompts, [batch_size], new_tokens, repeats, sweep=False,
+                                     forced=True, calibrated=False, disabled=True, max_batches=1,
+                                     forced_profiles=profiles, profile=not args.no_profile,
+                                     log=lambda m: print(m, flush=True))
+        if merged is None:
+            merged = report
+            merged["model"]["shape"] = "tiny" if tiny else "Llama-3-8B (random bf16 weights)"
+            merged["command"] = "python benchmarks/gpu_llama8b_forced.py " + " ".join(
+                sys.argv[1:] if argv is None else argv)
+            merged["notes"] = [n for n in merged["notes"] if "calibrated" not in n]
+        else:
+            merged["settings"]["batch_sizes"].append(batch_size)
+            merged["costs"].update(report["costs"])
+            merged["results"] += report["results"]
+            merged["profiles"] += report["profiles"]
+        merged["targets"] = [t for t in bench.evaluate_targets(merged) if not t["target"].startswith(("calibrated",
+                                                                                                       "frontier"))]
+        merged["wall_seconds"] = time.perf_counter() - start
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "report.json").write_text(json.dumps(bench._jsonable(merged), indent=1) + "\n")
+        (out_dir / "results.md").write_text(bench.format_table(merged))
+        print(f"[gpu-bench] batch {batch_size} done ({merged['wall_seconds']:.0f} s); wrote {out_dir}", flush=True)
+    print(bench.format_table(merged))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
