@@ -93,17 +93,21 @@ def collect_exit_scores(model, blocks: torch.LongTensor, criterion: str, batch_s
 
 
 # -------------------------------------------------------------------------------------------------------------- costs
-def _median_ms(fn, repeats: int, sync) -> float:
-    for _ in range(2):
-        fn()
-    times = []
+def _interleaved_medians(ops: dict, repeats: int, sync, warmup: int = 3) -> dict:
+    """Median milliseconds of each callable in `ops`, timed in interleaved rounds (one call of each per round) so
+    that load changes on a shared machine hit every operation alike."""
+    for _ in range(warmup):
+        for fn in ops.values():
+            fn()
+    times = {name: [] for name in ops}
     for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append((time.perf_counter() - start) * 1000)
-    return statistics.median(times)
+        for name, fn in ops.items():
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            times[name].append((time.perf_counter() - start) * 1000)
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 @torch.no_grad()
@@ -153,10 +157,13 @@ def measure_costs(model, criterion: str = "max_prob", batch_size: int = 1, conte
         if heads is None:
             raise ValueError("`criterion='learned'` needs confidence heads.")
         check = lambda: heads[exit_index](model.exit_heads[exit_index](h_last))  # noqa: E731
-    layer_ms = statistics.median(_median_ms(lambda j=j: layer_step(j), repeats, sync) for j in probe)
-    head_ms = _median_ms(lambda: scores_from_logits(head(), "max_prob"), repeats, sync)
-    check_ms = _median_ms(check, repeats, sync)
-    backfill_ms = statistics.median(_median_ms(lambda j=j: backfill(j), repeats, sync) for j in probe)
+    ops = {f"layer{j}": (lambda j=j: layer_step(j)) for j in probe}
+    ops.update({f"backfill{j}": (lambda j=j: backfill(j)) for j in probe})
+    ops.update(head=lambda: scores_from_logits(head(), "max_prob"), check=check)
+    ms = _interleaved_medians(ops, repeats, sync)
+    layer_ms = statistics.median(ms[f"layer{j}"] for j in probe)
+    backfill_ms = statistics.median(ms[f"backfill{j}"] for j in probe)
+    head_ms, check_ms = ms["head"], ms["check"]
     model.train(was_training)
     layer_ms = max(layer_ms, 1e-6)
     return {"device": str(device), "dtype": str(decoder.embed_tokens.weight.dtype), "batch_size": batch_size,
