@@ -25,6 +25,7 @@ import math
 import os
 import platform
 import random
+import re
 import shlex
 import statistics
 import sys
@@ -61,8 +62,9 @@ __all__ = [
 
 # Held-out regions of the default text (fractions of each file, by characters): text neither fitting (Austen 1-5)
 # nor calibration should see. Calibration may use the front of the held-out novel and of the manual, so the
-# benchmark takes its prompts from their tails.
-HELDOUT_REGIONS = {"austen": (0.5, 1.0), "python": (0.9, 1.0)}
+# benchmark takes its prompts from their tails: the second half of Sense and Sensibility, and the last tenth of the
+# Python manual's body (its index starts at about 0.89 of the file and is not prose).
+HELDOUT_REGIONS = {"austen": (0.5, 1.0), "python": (0.8, 0.88)}
 
 # forced profiles: name -> {depth fraction (of the decoder) or 1.0 for full depth: share of tokens}
 FORCED_PROFILES = {
@@ -158,8 +160,9 @@ def heldout_prompts(tokenizer, files=None, num_prompts=16, window=64, seed=0):
         for k in range(count):
             at = start + offset + k * span // max(count, 1)
             piece = text[at: at + chunk]
-            piece = piece[piece.find(" ") + 1:] if " " in piece[:50] else piece  # start at a word
-            ids = tokenizer(" ".join(piece.split()), add_special_tokens=False)["input_ids"][:window]
+            cut = re.search(r"\s\S", piece[:80])  # start at a word
+            piece = piece[cut.start() + 1:] if cut else piece
+            ids = tokenizer(piece, add_special_tokens=False)["input_ids"][:window]
             if len(ids) == window:
                 windows.append(ids)
         if not windows:
@@ -292,17 +295,60 @@ def _generation_config(model, new_tokens):
     return config
 
 
+class _PrefillTimer:
+    """Times the first forward call of a generate (the prefill), so decoding steps can be timed without it. Wraps
+    `model.forward` with an instance attribute for the duration, restoring whatever was there."""
+
+    def __init__(self, model):
+        self.model, self.calls, self.seconds = model, 0, 0.0
+
+    def __enter__(self):
+        model = self.model
+        self.saved = model.__dict__.get("forward")
+        original = model.forward
+
+        @functools.wraps(original)  # generate() validates its kwargs against forward's signature
+        def forward(*args, **kwargs):
+            self.calls += 1
+            if self.calls > 1:
+                return original(*args, **kwargs)
+            device = model.device
+            _sync(device)
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                _sync(device)
+                self.seconds = time.perf_counter() - start
+
+        model.forward = forward
+        return self
+
+    def __exit__(self, *exc):
+        if self.saved is None:
+            del self.model.forward
+        else:
+            self.model.forward = self.saved
+
+
 @torch.no_grad()
 def _timed_generate(model, batch, new_tokens, kwargs):
+    """One greedy generate. Returns (total seconds, prefill seconds, new tokens, output)."""
     ids, mask, _ = batch
     generation_config = _generation_config(model, new_tokens)
-    _sync(ids.device)
-    start = time.perf_counter()
-    out = model.generate(ids, attention_mask=mask, generation_config=generation_config, **kwargs)
-    _sync(ids.device)
-    seconds = time.perf_counter() - start
+    with _PrefillTimer(model) as prefill:
+        _sync(ids.device)
+        start = time.perf_counter()
+        out = model.generate(ids, attention_mask=mask, generation_config=generation_config, **kwargs)
+        _sync(ids.device)
+        seconds = time.perf_counter() - start
     steps = out.sequences.shape[1] - ids.shape[1]
-    return seconds, steps, out
+    return seconds, prefill.seconds, steps, out
+
+
+def _decode_ms(seconds, prefill_seconds, steps):
+    """ms per decoding step after the prefill (the prefill makes the first token; `steps - 1` steps follow)."""
+    return 1e3 * (seconds - prefill_seconds) / max(steps - 1, 1)
 
 
 def _eos_ids(model):
@@ -349,7 +395,7 @@ def _ideal(settings, exit_layers, costs):
     if settings is None or costs is None:
         return 1.0 if settings is None else math.nan
     return ideal_speedup(costs, exit_layers, settings.check_layers, settings.criterion, settings.needs_logits,
-                         settings.kv)
+                         settings.kv, include_prefill=False)
 
 
 def compare_many(ee_model, plain_model, batches, new_tokens, configs, repeats=3, costs=None, warmup=True,
@@ -377,18 +423,19 @@ def compare_many(ee_model, plain_model, batches, new_tokens, configs, repeats=3,
             timings = {}
             for k in order:
                 if k is None:
-                    seconds, steps, out = _timed_generate(plain_model, batch, new_tokens, {})
+                    seconds, prefill, steps, out = _timed_generate(plain_model, batch, new_tokens, {})
                 else:
                     kwargs = _generate_kwargs(ee_model, configs[k])
-                    seconds, steps, out = _timed_generate(ee_model, batch, new_tokens, kwargs)
-                timings[k] = (1e3 * seconds / max(steps, 1), out)
-            plain_step_ms, plain_out = timings[None]
+                    seconds, prefill, steps, out = _timed_generate(ee_model, batch, new_tokens, kwargs)
+                timings[k] = (_decode_ms(seconds, prefill, steps), 1e3 * seconds, out)
+            plain_step_ms, plain_total_ms, plain_out = timings[None]
             plain_ms.append(plain_step_ms)
             prompt_length = batch[0].shape[1]
             for k, config in enumerate(configs):
-                ee_step_ms, out = timings[k]
+                ee_step_ms, ee_total_ms, out = timings[k]
                 record = per[k]
                 record["ratio"].append(plain_step_ms / ee_step_ms)
+                record["e2e_ratio"].append(plain_total_ms / ee_total_ms)
                 record["ee_ms"].append(ee_step_ms)
                 record["exit_layers"].append(out.exit_layers.cpu())
                 settings = resolve_exit_settings(ee_model.config, **_generate_kwargs(ee_model, config))
@@ -426,7 +473,8 @@ def compare_many(ee_model, plain_model, batches, new_tokens, configs, repeats=3,
             "kv": None if settings is None else settings.kv,
             "check_layers": None if settings is None else settings.check_layers,
             "speedup": _summarise(record["ratio"]),
-            "plain_ms_per_step": _summarise(plain_ms),
+            "speedup_end_to_end": _summarise(record["e2e_ratio"]),
+            "plain_ms_per_step": _summarise(plain_ms),  # decoding steps, prefill excluded
             "ee_ms_per_step": _summarise(record["ee_ms"]),
             "agreement": {
                 "share": sum(r["matches"] for r in rows) / max(compared, 1),
@@ -477,7 +525,6 @@ class _StepProfiler:
         self.totals = defaultdict(float)
         self.stack = []
         self.forward_calls = 0
-        self.prefill_seconds = 0.0
         self.handles, self.patched = [], []
 
     def _now(self):
@@ -515,13 +562,8 @@ class _StepProfiler:
 
         @functools.wraps(original_forward)  # generate() validates its kwargs against forward's signature
         def forward(*args, **kwargs):
-            self.forward_calls += 1
-            start = self._now()
-            try:
-                return original_forward(*args, **kwargs)
-            finally:
-                if self.forward_calls == 1:
-                    self.prefill_seconds = self._now() - start
+            self.forward_calls += 1  # call 1 is the prefill: not counted
+            return original_forward(*args, **kwargs)
 
         model.forward = forward
         self.patched.append("forward")
@@ -560,9 +602,9 @@ def profile_step(model, batch, new_tokens, exit_kwargs=None, name=None):
     GPU, so the total is a bit above an uninstrumented step. Works on the plain model too (`exit_kwargs` None)."""
     kwargs = dict(exit_kwargs or {})
     with _StepProfiler(model) as prof:
-        seconds, steps, _ = _timed_generate(model, batch, new_tokens, kwargs)
+        seconds, prefill, steps, _ = _timed_generate(model, batch, new_tokens, kwargs)
     decode_steps = max(steps - 1, 1)
-    step_ms = 1e3 * (seconds - prof.prefill_seconds) / decode_steps
+    step_ms = _decode_ms(seconds, prefill, steps)
     parts = {k: 1e3 * v / decode_steps for k, v in prof.totals.items()}
     for k in ("layers", "head_checks", "exit_heads", "backfill", "final_head"):
         parts.setdefault(k, 0.0)
@@ -644,8 +686,12 @@ def machine_info():
 
 def run_benchmark(ee_model, plain_model, prompts, batch_sizes=(1, 8), new_tokens=128, repeats=3, sweep=True,
                   forced=True, calibrated=True, disabled=True, max_batches=2, sweep_grid=None, sweep_batch_sizes=None,
-                  forced_profiles=None, forced_modes=FORCED_MODES, profile=True, cost_repeats=30, log=print):
-    """The whole benchmark; returns the report dict (see `format_table`, `plot_frontier`, `plot_histogram`)."""
+                  forced_profiles=None, forced_modes=FORCED_MODES, profile=True, cost_repeats=30, sweep_repeats=None,
+                  log=print):
+    """The whole benchmark; returns the report dict (see `format_table`, `plot_frontier`, `plot_histogram`).
+
+    max_batches: batches per batch size, an int or one per batch size. sweep_repeats: repeats of the sweep (default
+    `repeats`)."""
     device = ee_model.device
     prompt_length = len(prompts[0]["ids"])
     report = {"machine": machine_info(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -660,8 +706,9 @@ def run_benchmark(ee_model, plain_model, prompts, batch_sizes=(1, 8), new_tokens
     if not report["model"]["calibrated"]:
         report["notes"].append("The model has no calibrated exit settings in its config: the calibrated target is "
                                "not measured.")
-    for batch_size in batch_sizes:
-        batches = make_batches(prompts, batch_size, max_batches, device=device)
+    per_size = list(max_batches) if isinstance(max_batches, (list, tuple)) else [max_batches] * len(batch_sizes)
+    for batch_size, n_batches in zip(batch_sizes, per_size + per_size[-1:] * len(batch_sizes)):
+        batches = make_batches(prompts, batch_size, n_batches, device=device)
         log(f"[bench] batch {batch_size}: measuring the cost model")
         costs = measure_costs(ee_model, batch_size, prompt_length=prompt_length,
                               context=prompt_length + new_tokens // 2, repeats=cost_repeats)
@@ -675,17 +722,17 @@ def run_benchmark(ee_model, plain_model, prompts, batch_sizes=(1, 8), new_tokens
             main_configs.append(calibrated_config(ee_model))
         if disabled:
             main_configs.append({"name": "exits disabled", "kind": "disabled", "exit_kwargs": {"early_exit": False}})
-        groups = [main_configs]
+        groups = [(main_configs, repeats)]
         if forced:
-            groups.append(forced_configs(forced_profiles, forced_modes, batch_size))
+            groups.append((forced_configs(forced_profiles, forced_modes, batch_size), repeats))
         if sweep and (sweep_batch_sizes is None or batch_size in sweep_batch_sizes):
-            groups.append(sweep_configs(ee_model, batch_size, sweep_grid))
-        for configs in groups:
+            groups.append((sweep_configs(ee_model, batch_size, sweep_grid), sweep_repeats or repeats))
+        for configs, n_repeats in groups:
             if not configs:
                 continue
             log(f"[bench] batch {batch_size}: {len(configs)} configurations ({configs[0]['kind']}...), "
-                f"{repeats} repeats x {len(batches)} batches")
-            report["results"] += compare_many(ee_model, plain_model, batches, new_tokens, configs, repeats, costs,
+                f"{n_repeats} repeats x {len(batches)} batches")
+            report["results"] += compare_many(ee_model, plain_model, batches, new_tokens, configs, n_repeats, costs,
                                               log=log)
         if profile:
             log(f"[bench] batch {batch_size}: step profiles")
@@ -943,10 +990,12 @@ def build_parser():
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--batch-sizes", type=_int_list, default=[1, 8])
-    parser.add_argument("--max-batches", type=int, default=2, help="batches per batch size")
+    parser.add_argument("--max-batches", type=_int_list, default=[2],
+                        help="batches per batch size: one value, or one per batch size (e.g. 2,1)")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--sweep-repeats", type=int, default=None, help="repeats of the sweep (default --repeats)")
     parser.add_argument("--sweep-grid", choices=["small", "full"], default=None,
                         help="thresholds per criterion (default full; small with --quick)")
     parser.add_argument("--sweep-batch-sizes", type=_int_list, default=None,
@@ -970,7 +1019,7 @@ def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.quick:
-        defaults = dict(new_tokens=8, repeats=1, num_prompts=4, max_batches=1)
+        defaults = dict(new_tokens=8, repeats=1, num_prompts=4, max_batches=[1])
         for name, value in defaults.items():
             if getattr(args, name) == parser.get_default(name):
                 setattr(args, name, value)
@@ -994,7 +1043,8 @@ def main(argv=None):
     report = run_benchmark(ee_model, plain_model, prompts, args.batch_sizes, args.new_tokens, args.repeats,
                            sweep=args.sweep, forced=args.forced, max_batches=args.max_batches, sweep_grid=sweep_grid,
                            sweep_batch_sizes=args.sweep_batch_sizes, forced_profiles=profiles,
-                           profile=args.profile, cost_repeats=10 if args.quick else 30)
+                           profile=args.profile, cost_repeats=10 if args.quick else 30,
+                           sweep_repeats=args.sweep_repeats)
     report["command"] = "ee-transformers bench " + " ".join(shlex.quote(a) for a in
                                                              (sys.argv[2:] if argv is None else argv))
     report["model"]["path"] = Path(args.model).name

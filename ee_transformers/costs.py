@@ -208,14 +208,16 @@ def _prefill_extra(costs, exits, check_layers, criterion, needs_logits):
 
 
 def ideal_speedup(costs: dict, exit_layers: torch.Tensor, check_layers, criterion: str, needs_logits: bool = False,
-                  kv: str = "immediate") -> float:
-    """Full-depth cost / early-exit cost of a generation whose `exit_layers` `(batch, steps)` were measured."""
+                  kv: str = "immediate", include_prefill: bool = True) -> float:
+    """Full-depth cost / early-exit cost of a generation whose `exit_layers` `(batch, steps)` were measured.
+
+    include_prefill: count step 0 (the prefill and its exit checks); False compares the decoding steps only."""
     exit_layers = exit_layers.tolist()
     rows, steps = len(exit_layers), len(exit_layers[0]) if exit_layers else 0
     # step 0 is the prefill: every layer for every prompt position in both models; the early-exit model then checks
     # its exits at the last position, which is all it adds there
-    full = ee = interp(costs, "prefill", rows) if steps else 0.0
-    if steps:
+    full = ee = interp(costs, "prefill", rows) if steps and include_prefill else 0.0
+    if steps and include_prefill:
         ee += _prefill_extra(costs, [exit_layers[r][0] for r in range(rows)], list(check_layers), criterion,
                              needs_logits)
     for t in range(1, steps):
