@@ -364,8 +364,9 @@ def calibration_card(report: dict) -> str:
         f"target greedy agreement with full depth >= {report['target_agreement']}.",
         "",
         f"Measured costs on `{c.get('device', '?')}` ({c.get('dtype', '?')}, batch {c.get('batch_size', '?')}), in "
-        f"decoder-layer steps: exit check with the LM head {c['head_cost']:.2f}, cheap check {c['check_cost']:.2f}, "
-        f"K/V backfill per skipped layer {c['backfill_cost']:.2f}.",
+        f"decoder-layer steps: LM head through an exit head {c['head_cost']:.2f}"
+        + ("" if report["criterion"] in LOGIT_CRITERIA else f", `{report['criterion']}` check {c['check_cost']:.2f}")
+        + f", K/V backfill per skipped layer {c['backfill_cost']:.2f}.",
         "",
     ]
     if report.get("chosen"):
@@ -384,7 +385,7 @@ def calibration_card(report: dict) -> str:
             f"{b['exit_rate']:.3f} | {b['speedup']:.2f}x |",
         ]
     else:
-        lines.append(f"**Early exit is off by default**: {report['message']}. Pass exit arguments to `generate()` "
+        lines.append(f"**Early exit is off by default** ({report['message']}). Pass exit arguments to `generate()` "
                      "to try it anyway.")
     lines += ["", "Predicted speed-ups are teacher-forced simulations at batch 1 with the measured costs; the "
               "benchmark measures real decoding. Full report: `calibration.json`."]

@@ -671,6 +671,10 @@ def training_card(result: FitResult, config: FitConfig, base_model: str, data_de
                   "position):", "",
                   agreement_table(result.exit_layers, result.agreement_before, result.agreement_after,
                                   1.0 if config.lora_rank else None, result.final_agreement)]
+        if result.kl_before is not None and result.kl_after is not None:
+            lines += ["", "Mean KL(original final || exit): "
+                      + ", ".join(f"exit {e} {b:.3f} -> {a:.3f}"
+                                  for e, b, a in zip(result.exit_layers, result.kl_before, result.kl_after)) + "."]
     return "\n".join(lines)
 
 
@@ -860,7 +864,11 @@ def _run(args):
         final.save_pretrained(adapter_tmp)
         extra_dirs["lora_adapter"] = adapter_tmp
         ee = final.unload()  # the original backbone weights, adapter modules removed (not merged)
-    data_desc = ", ".join(sorted({os.path.basename(p) for p in args.data}))
+    from training.data import expand_paths
+
+    data_files = expand_paths(args.data)
+    data_desc = ", ".join(sorted({os.path.basename(p) for p in data_files})[:8]) + \
+        (f" and {len(data_files) - 8} more files" if len(data_files) > 8 else "")
     base_model = folder_config.get("_name_or_path") or os.path.basename(os.path.normpath(args.model))
     card = {"base_model": base_model,
             "training": training_card(result, config, base_model, data_desc, splits.train.shape[0],
