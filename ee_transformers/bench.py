@@ -384,8 +384,8 @@ def _summarise(values):
             "values": [round(v, 4) for v in values]}
 
 
-def _exit_summary(model, exit_layers, settings, costs):
-    """Exit statistics and the ideal speed-up of measured exit layers `(batch, steps)` (list over runs)."""
+def _exit_summary(model, exit_layers):
+    """Exit statistics of measured exit layers (a list of `(batch, steps)` tensors, one per run)."""
     stats = ExitStats.from_exit_layers(torch.cat([e.flatten() for e in exit_layers]), model.config.num_hidden_layers)
     return {"mean_exit_layer": stats.mean_exit_layer, "histogram": {str(k): v for k, v in stats.histogram.items()},
             "compute_saved": stats.compute_saved, "tokens": stats.num_tokens}
@@ -482,7 +482,7 @@ def compare_many(ee_model, plain_model, batches, new_tokens, configs, repeats=3,
                 "compared_tokens": compared,
                 "by_domain": by_domain,
             },
-            "exits": _exit_summary(ee_model, record["exit_layers"], settings, costs),
+            "exits": _exit_summary(ee_model, record["exit_layers"]),
             "ideal_speedup": _summarise(record["ideal"]),
             "realised_over_ideal": _summarise(record["realised_over_ideal"]),
         }

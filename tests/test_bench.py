@@ -125,3 +125,15 @@ def test_heldout_prompts_alternate_domains(text_files):
     prompts = bench.heldout_prompts(WordTokenizer(), text_files, num_prompts=6, window=16)
     assert [p["domain"] for p in prompts] == ["prose", "code"] * 3
     assert all(len(p["ids"]) == 16 for p in prompts)
+
+
+def test_instrumentation_leaves_the_models_as_they_were(ee_folder):
+    ee, plain = bench.load_models(ee_folder)
+    assert plain.model is ee.model and plain.lm_head is ee.lm_head, "the plain twin must run on the same modules"
+    batch = bench.make_batches(bench.random_prompts(99, 2, window=6), 2, 1)[0]
+    prof = bench.profile_step(ee, batch, 4, {"exit_forced": bench.forced_profile("mixed", ee),
+                                             "exit_check_layers": [1, 2], "exit_policy": "row"})
+    assert prof["parts_ms"]["layers"] > 0
+    for model in (ee, plain):
+        assert not {"forward", "_check", "_head_logits", "_backfill_kv"} & set(vars(model)), "a wrapper was left on"
+        assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()), "a hook was left on"
