@@ -844,11 +844,13 @@ def _run(args):
     from accelerate import Accelerator
 
     accelerator = Accelerator(mixed_precision=config.mixed_precision, cpu=not torch.cuda.is_available())
+    torch.manual_seed(config.seed)  # the exit adapters' initial down-projections (DDP then broadcasts rank 0's)
     model = _load(args, exit_layers, head, rank, quantization).to(accelerator.device) if quantization is None else \
         _load(args, exit_layers, head, rank, quantization)
     exit_layers = list(model.config.exit_layers)
     accelerator.print(f"{type(model).__name__}: exits after layers {exit_layers} of {model.config.num_hidden_layers}; "
-                      f"{splits.train.shape[0]} training / {splits.heldout.shape[0]} held-out blocks of {args.block_size}")
+                      f"{splits.train.shape[0]} training / {splits.heldout.shape[0]} held-out blocks of {args.block_size}; "
+                      f"{accelerator.num_processes} process(es) on {accelerator.device}")
     result = fit_exit_heads(model, splits.train, splits.heldout, config, checkpoint_dir=checkpoint_dir,
                             resume=args.resume, accelerator=accelerator)
     if not accelerator.is_main_process:
