@@ -60,6 +60,16 @@ def test_simulate_patience():
     assert r["exit_rate"] == 0.25 and r["mean_exit_layer"] == pytest.approx((3 + 5 + 5 + 5) / 4)
 
 
+def test_simulate_batch_policy_groups_exit_together():
+    data = {"scores": torch.tensor([[0.9], [0.1], [0.9], [0.9]]), "argmax": torch.tensor([[1], [2], [3], [4]]),
+            "final": torch.tensor([1, 2, 3, 0])}
+    alone = simulate(data, [1], 4, [0], [0.5], FREE, "max_prob")
+    assert alone["exit_rate"] == 0.75 and alone["agreement"] == 0.75  # row 3 exits with a wrong token
+    together = simulate(data, [1], 4, [0], [0.5], FREE, "max_prob", group=4)
+    assert together["exit_rate"] == 0.0 and together["agreement"] == 1.0, "one unconfident row holds the batch back"
+    assert together["mean_exit_layer"] == 3
+
+
 def test_search_meets_target_on_its_own_data():
     data = hand_data()
     found = search_policy(data, [1, 3], 6, FREE, "max_prob", target_agreement=1.0)

@@ -175,11 +175,14 @@ def measure_costs(model, criterion: str = "max_prob", batch_size: int = 1, conte
 
 # --------------------------------------------------------------------------------------------------------- simulation
 def simulate(data: dict, exit_layers: list, num_layers: int, check: list, thresholds: list, costs: dict,
-             criterion: str, patience: int = 0) -> dict:
+             criterion: str, patience: int = 0, group: int = 1) -> dict:
     """Teacher-forced simulation of decoding with exits `check` (indices into `exit_layers`, increasing) at
     `thresholds`. A token exits at the first checked exit whose score >= threshold (or, with patience k, whose argmax
-    the k-1 checked exits before it share). Cost per token, in layer steps: layers run + checks made x check cost
-    (a logit criterion reuses the head on exit; the others pay the head once) + backfill x skipped layers.
+    the k-1 checked exits before it share). Cost per decoding step, in layer steps: layers run + checks made x check
+    cost (a logit criterion reuses the head on exit; the others pay the head once) + backfill x skipped layers.
+
+    group: batch policy at batch size `group`: positions are drawn into seeded random groups of that size that decide
+    together (a group exits at the first checked exit where every row is confident), as `exit_policy="batch"` does.
     Returns agreement, mean exit layer (0-based, full depth = num_layers - 1), exit rate and predicted speed-up."""
     scores, argmax, final = data["scores"][:, check], data["argmax"][:, check], data["final"]
     n, m = scores.shape
@@ -189,11 +192,23 @@ def simulate(data: dict, exit_layers: list, num_layers: int, check: list, thresh
         for j in range(1, m):
             run[:, j] = torch.where(argmax[:, j] == argmax[:, j - 1], run[:, j - 1] + 1, torch.ones_like(run[:, j]))
         fire |= run >= patience
-    fired = fire.any(1)
-    first = torch.where(fired, fire.float().argmax(1), torch.full((n,), m - 1))
+    if group > 1:
+        units = n // group
+        if units == 0:
+            raise ValueError(f"Cannot simulate batches of {group} with only {n} positions.")
+        rows = torch.randperm(n, generator=torch.Generator().manual_seed(0))[: units * group].view(units, group)
+        fire_units = fire[rows].all(1)  # (units, m): the whole group is confident
+    else:
+        rows, units, fire_units = torch.arange(n).view(n, 1), n, fire
+    fired = fire_units.any(1)  # (units,)
+    first = torch.where(fired, fire_units.float().argmax(1), torch.full((units,), m - 1))
     layers_t = torch.tensor([exit_layers[c] for c in check])
-    exit_layer = torch.where(fired, layers_t[first], torch.full((n,), num_layers - 1))
-    chosen = torch.where(fired, argmax.gather(1, first[:, None]).squeeze(1), final)
+    exit_layer = torch.where(fired, layers_t[first], torch.full((units,), num_layers - 1))  # (units,)
+    # per row: the group's exit decides which head's argmax a row emits
+    row_first = first[:, None].expand_as(rows).reshape(-1)
+    row_fired = fired[:, None].expand_as(rows).reshape(-1)
+    flat = rows.reshape(-1)
+    chosen = torch.where(row_fired, argmax[flat].gather(1, row_first[:, None]).squeeze(1), final[flat])
     checks = (first + 1).double()
     logit_check = criterion in LOGIT_CRITERIA or patience > 0
     per_check = costs["head_cost"] if logit_check else costs["check_cost"]
@@ -201,8 +216,9 @@ def simulate(data: dict, exit_layers: list, num_layers: int, check: list, thresh
     cost = (exit_layer + 1).double() + checks * per_check + head_once \
         + costs["backfill_cost"] * (num_layers - 1 - exit_layer).double()
     full = num_layers + costs["head_cost"]
-    return {"agreement": float((chosen == final).double().mean()), "mean_exit_layer": float(exit_layer.double().mean()),
-            "exit_rate": float(fired.double().mean()), "speedup": float(full / cost.mean()), "positions": n}
+    return {"agreement": float((chosen == final[flat]).double().mean()),
+            "mean_exit_layer": float(exit_layer.double().mean()), "exit_rate": float(fired.double().mean()),
+            "speedup": float(full / cost.mean()), "positions": int(flat.numel())}
 
 
 def _threshold_grid(values: torch.Tensor, count: int = 40) -> list[float]:
@@ -222,7 +238,7 @@ def _subsets(num_exits: int) -> list[tuple]:
 
 
 def search_policy(data: dict, exit_layers: list, num_layers: int, costs: dict, criterion: str,
-                  target_agreement: float, patience: int = 0, refine_passes: int = 2) -> dict:
+                  target_agreement: float, patience: int = 0, refine_passes: int = 2, group: int = 1) -> dict:
     """The fastest (predicted) exit subset and thresholds whose agreement on `data` reaches the target. Searches
     small subsets with one shared threshold, then refines the best subsets exit by exit. Returns {"best": dict or
     None, "candidates": best per subset}."""
@@ -236,7 +252,7 @@ def search_policy(data: dict, exit_layers: list, num_layers: int, costs: dict, c
         grid = _threshold_grid(data["scores"][:, check].flatten())
         best = None
         for t in grid:
-            r = simulate(data, exit_layers, num_layers, check, [t] * len(check), costs, criterion, patience)
+            r = simulate(data, exit_layers, num_layers, check, [t] * len(check), costs, criterion, patience, group)
             if r["agreement"] >= target_agreement and better(r, best):
                 best = dict(r, check=check, thresholds=[t] * len(check))
         if best is not None:
@@ -249,7 +265,8 @@ def search_policy(data: dict, exit_layers: list, num_layers: int, costs: dict, c
                 for t in _threshold_grid(data["scores"][:, c]):
                     thresholds = list(current["thresholds"])
                     thresholds[k] = t
-                    r = simulate(data, exit_layers, num_layers, current["check"], thresholds, costs, criterion, patience)
+                    r = simulate(data, exit_layers, num_layers, current["check"], thresholds, costs, criterion, patience,
+                                 group)
                     if r["agreement"] >= target_agreement and better(r, current):
                         current = dict(r, check=current["check"], thresholds=thresholds)
         if better(current, start):
@@ -273,13 +290,15 @@ def _as_blocks(data, tokenizer, block_size):
 
 def calibrate(model, data, tokenizer=None, criterion: str = "max_prob", target_agreement: float = 0.95,
               policy: str = "batch", patience: int = 0, kv: str | None = None, block_size: int | None = None,
-              costs: dict | None = None, batch_size: int = 4, seed: int = 0, measure_batch_size: int = 1) -> dict:
+              costs: dict | None = None, batch_size: int = 4, seed: int = 0, decode_batch_size: int = 1) -> dict:
     """Chooses the exits to check and their thresholds for `model` (an early-exit model, fitted).
 
     data: held-out blocks `(n, block_size)` (n >= 2), or texts (with `tokenizer`, `block_size`). Split in two
         (seeded): the choice is made on split A and reported on split B.
-    costs: measured with `measure_costs` when None; pass a dict (head_cost, check_cost, backfill_cost in layer steps)
-        to pin them (tests, or another target machine).
+    costs: measured with `measure_costs` (at `decode_batch_size`) when None; pass a dict (head_cost, check_cost,
+        backfill_cost in layer steps) to pin them (tests, or another target machine).
+    decode_batch_size: the batch size decoding will run at. With `policy="batch"` rows of a batch exit together, so
+        the simulation groups positions into batches of this size; with `policy="row"` it simulates rows alone.
     Returns the report (see `calibration.json`); `apply_calibration(model, report)` stores the choice.
     """
     if criterion not in CRITERIA:
@@ -302,17 +321,18 @@ def calibrate(model, data, tokenizer=None, criterion: str = "max_prob", target_a
     split_a, split_b = blocks[order[:half]], blocks[order[half:]]
     num_layers = model.config.num_hidden_layers
     if costs is None:
-        costs = measure_costs(model, criterion, batch_size=measure_batch_size)
+        costs = measure_costs(model, criterion, batch_size=decode_batch_size)
+    group = decode_batch_size if policy == "batch" else 1
     costs = dict(costs)
     costs.setdefault("check_cost", 0.0)
     data_a = collect_exit_scores(model, split_a, criterion, batch_size)
     data_b = collect_exit_scores(model, split_b, criterion, batch_size)
-    found = search_policy(data_a, exit_layers, num_layers, costs, criterion, target_agreement, patience)
+    found = search_policy(data_a, exit_layers, num_layers, costs, criterion, target_agreement, patience, group=group)
     best = found["best"]
     per_exit_b = [round(float((data_b["argmax"][:, i] == data_b["final"]).double().mean()), 4)
                   for i in range(len(exit_layers))]
     report = {"criterion": criterion, "policy": policy, "patience": patience, "kv": kv or "immediate",
-              "target_agreement": target_agreement, "exit_layers": exit_layers, "num_hidden_layers": num_layers,
+              "target_agreement": target_agreement, "decode_batch_size": decode_batch_size, "exit_layers": exit_layers, "num_hidden_layers": num_layers,
               "costs": costs, "positions": {"A": int(data_a["final"].numel()), "B": int(data_b["final"].numel())},
               "per_exit_agreement_B": per_exit_b, "chosen": None, "selection_A": None, "heldout_B": None,
               "candidates": [{**{k: v for k, v in c.items() if k != "check"},
@@ -322,7 +342,7 @@ def calibrate(model, data, tokenizer=None, criterion: str = "max_prob", target_a
         report["chosen"] = {"check_layers": check_layers, "thresholds": [float(t) for t in best["thresholds"]]}
         report["selection_A"] = {k: best[k] for k in ("agreement", "mean_exit_layer", "exit_rate", "speedup")}
         report["heldout_B"] = simulate(data_b, exit_layers, num_layers, best["check"], best["thresholds"], costs,
-                                       criterion, patience)
+                                       criterion, patience, group)
         report["message"] = (f"check exits {check_layers} at thresholds "
                              f"{[round(t, 4) for t in best['thresholds']]}: predicted {report['heldout_B']['speedup']:.2f}x "
                              f"at agreement {report['heldout_B']['agreement']:.3f} on held-out split B")
@@ -387,8 +407,10 @@ def calibration_card(report: dict) -> str:
     else:
         lines.append(f"**Early exit is off by default** ({report['message']}). Pass exit arguments to `generate()` "
                      "to try it anyway.")
-    lines += ["", "Predicted speed-ups are teacher-forced simulations at batch 1 with the measured costs; the "
-              "benchmark measures real decoding. Full report: `calibration.json`."]
+    b = report.get("decode_batch_size", 1)
+    grouped = " (batch policy: rows of a batch exit together)" if b > 1 and report["policy"] == "batch" else ""
+    lines += ["", f"Predicted speed-ups are teacher-forced simulations at decode batch size {b}{grouped} with the "
+              "measured costs; the benchmark measures real decoding. Full report: `calibration.json`."]
     return "\n".join(lines)
 
 
@@ -409,7 +431,9 @@ def build_parser():
     p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--max-blocks", type=int, default=64, help="use at most this many held-out blocks")
     p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--measure-batch-size", type=int, default=1, help="batch size at which costs are measured")
+    p.add_argument("--decode-batch-size", type=int, default=1,
+                   help="batch size decoding will run at: costs are measured there, and with --policy batch rows are "
+                        "simulated exiting together")
     p.add_argument("--costs", help="JSON with head_cost/check_cost/backfill_cost to use instead of measuring")
     p.add_argument("--out", help="write the calibrated folder here (default: update the model folder in place)")
     p.add_argument("--seed", type=int, default=0)
@@ -453,7 +477,7 @@ def _run(args):
     blocks = tokenize_blocks(texts, model.tokenizer, args.block_size)[: args.max_blocks]
     report = calibrate(model, blocks, criterion=args.criterion, target_agreement=args.target_agreement,
                        policy=args.policy, patience=args.patience, kv=args.kv, costs=costs,
-                       batch_size=args.batch_size, seed=args.seed, measure_batch_size=args.measure_batch_size)
+                       batch_size=args.batch_size, seed=args.seed, decode_batch_size=args.decode_batch_size)
     report["data"] = [os.path.basename(p) for p in args.data]
     apply_calibration(model, report)
     card = {}
