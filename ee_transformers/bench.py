@@ -33,6 +33,7 @@ import time
 from collections import defaultdict
 from datetime import datetime, timezone
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import transformers
@@ -403,8 +404,8 @@ def compare_many(ee_model, plain_model, batches, new_tokens, configs, repeats=3,
     """Times plain generate and each configuration in `configs`, interleaved, on every batch, `repeats` times.
 
     configs: list of `{"name", "kind", "exit_kwargs": {...}, "forced": None | {"profile": name}}`. Each round runs
-    plain then every configuration (reversed on odd repeats); each configuration's ratio is plain ms/step over its
-    ms/step in the same round. Returns one result dict per configuration.
+    plain, c1, plain, c2, ..., plain (the configurations reversed on odd repeats); a configuration's ratio is the mean
+    ms per decoding step of its two neighbouring plain runs over its own. Returns one result dict per configuration.
     """
     batch_size = batches[0][0].shape[0]
     eos = _eos_ids(plain_model)
@@ -417,22 +418,29 @@ def compare_many(ee_model, plain_model, batches, new_tokens, configs, repeats=3,
     plain_ms = []
     for r in range(repeats):
         for b, batch in enumerate(batches):
-            order = [None] + list(range(len(configs)))
+            # plain, c1, plain, c2, ..., ck, plain: each configuration sits between two plain runs, so a slow
+            # drift of the machine cancels in its ratio; the configurations' order flips every repeat
+            order = list(range(len(configs)))
             if r % 2:
                 order.reverse()
-            timings = {}
+            plain_runs, timings = [], {}
+            seconds, prefill, steps, plain_out = _timed_generate(plain_model, batch, new_tokens, {})
+            plain_out = SimpleNamespace(sequences=plain_out.sequences.cpu())
+            plain_runs.append((_decode_ms(seconds, prefill, steps), 1e3 * seconds))
             for k in order:
-                if k is None:
-                    seconds, prefill, steps, out = _timed_generate(plain_model, batch, new_tokens, {})
-                else:
-                    kwargs = _generate_kwargs(ee_model, configs[k])
-                    seconds, prefill, steps, out = _timed_generate(ee_model, batch, new_tokens, kwargs)
-                timings[k] = (_decode_ms(seconds, prefill, steps), 1e3 * seconds, out)
-            plain_step_ms, plain_total_ms, plain_out = timings[None]
-            plain_ms.append(plain_step_ms)
+                kwargs = _generate_kwargs(ee_model, configs[k])
+                seconds, prefill, steps, out = _timed_generate(ee_model, batch, new_tokens, kwargs)
+                out = SimpleNamespace(sequences=out.sequences.cpu(), exit_layers=out.exit_layers.cpu())  # no cache
+                before = plain_runs[-1]
+                seconds_p, prefill_p, steps_p, _ = _timed_generate(plain_model, batch, new_tokens, {})
+                plain_runs.append((_decode_ms(seconds_p, prefill_p, steps_p), 1e3 * seconds_p))
+                after = plain_runs[-1]
+                timings[k] = (_decode_ms(seconds, prefill, steps), 1e3 * seconds, out,
+                              (before[0] + after[0]) / 2, (before[1] + after[1]) / 2)
+            plain_ms += [ms for ms, _ in plain_runs]
             prompt_length = batch[0].shape[1]
             for k, config in enumerate(configs):
-                ee_step_ms, ee_total_ms, out = timings[k]
+                ee_step_ms, ee_total_ms, out, plain_step_ms, plain_total_ms = timings[k]
                 record = per[k]
                 record["ratio"].append(plain_step_ms / ee_step_ms)
                 record["e2e_ratio"].append(plain_total_ms / ee_total_ms)
@@ -449,7 +457,7 @@ def compare_many(ee_model, plain_model, batches, new_tokens, configs, repeats=3,
                         record["agreement_rows"].append({**row, "domain": domain})
             if log:
                 log(f"  batch {batch_size} repeat {r + 1}/{repeats} batch {b + 1}/{len(batches)}: plain "
-                    f"{plain_step_ms:.1f} ms/step; " + ", ".join(
+                    f"{statistics.median(ms for ms, _ in plain_runs):.1f} ms/step; " + ", ".join(
                         f"{configs[k]['name']} {per[k]['ratio'][-1]:.2f}x" for k in range(len(configs))))
     results = []
     for config, record in zip(configs, per):
