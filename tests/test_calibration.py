@@ -166,3 +166,19 @@ def test_cli_calibrate_rejects_plain_folder(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([base, "--data", *texts, "--block-size", "32"])
     assert "has no exit heads" in capsys.readouterr().err
+
+
+def test_calibrate_learned_and_cosine_criteria(fitted):
+    from training.fit_exit_heads import fit_confidence_heads
+
+    folder, _, heldout = fitted
+    model = eet.from_base(folder)
+    with pytest.raises(ValueError, match="confidence heads"):
+        calibrate(model, heldout, criterion="learned", costs=FREE)
+    fit_confidence_heads(model, heldout, None, FitConfig(confidence_steps=10, batch_size=2, progress=False))
+    for criterion in ("learned", "cosine"):
+        report = calibrate(model, heldout, criterion=criterion, target_agreement=0.5, costs=FREE)
+        assert report["chosen"] is not None and report["selection_A"]["agreement"] >= 0.5, report["message"]
+        apply_calibration(model, report)
+        out = model.generate(heldout[:1, :6], max_new_tokens=4, return_dict_in_generate=True)
+        assert out.exit_layers.shape == (1, 4) and model.config.exit_criterion == criterion

@@ -749,6 +749,8 @@ def _load(args, exit_layers, head, rank, quantization=None):
     kwargs = {"dtype": getattr(torch, args.dtype)}
     if quantization is not None:
         kwargs["quantization_config"] = quantization
+        if torch.cuda.is_available():  # quantized weights are placed at load time, on this process's GPU
+            kwargs["device_map"] = {"": torch.cuda.current_device()}
     try:
         return eet.from_base(args.model, exit_layers=exit_layers, exit_head=head, exit_adapter_rank=rank, **kwargs)
     except (ImportError, RuntimeError, NotImplementedError) as error:
@@ -861,6 +863,11 @@ def _run(args):
                                      model.config.exit_adapter_rank, config)
     extra_dirs, adapter_tmp = {}, None
     ee = _ee(final)
+    if ee.config.exit_criterion is not None or ee.config.exit_patience:
+        # decoding settings calibrated for the old heads no longer hold: back to full depth until recalibrated
+        print("Cleared the stored exit settings (calibrated for the previous heads); run `ee-transformers calibrate`.")
+        ee.config.exit_criterion, ee.config.exit_threshold, ee.config.exit_check_layers = None, None, None
+        ee.config.exit_patience = 0
     if hasattr(final, "save_pretrained") and final is not ee:  # kept LoRA adapters: base + adapter folder
         adapter_tmp = os.path.abspath(args.out).rstrip(os.sep) + f".adapter-{os.getpid()}"
         final.save_pretrained(adapter_tmp)
