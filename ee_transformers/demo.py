@@ -38,6 +38,7 @@ def build_parser():
     parser.add_argument("--criterion", default="max_prob",
                         choices=["max_prob", "margin", "entropy", "cosine"])
     parser.add_argument("--target-agreement", type=float, default=0.9)
+    parser.add_argument("--policy", default="row", choices=["row", "batch"])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--batch-sizes", default="1,8")
@@ -91,7 +92,9 @@ def main(argv=None):
     calibration_texts = [_slice(novels[assets.AUSTEN_HELDOUT], CALIBRATION_REGIONS["austen"], args.max_chars // 2),
                          _slice(python_docs, CALIBRATION_REGIONS["python"], args.max_chars // 2)]
     calibration_blocks = tokenize_blocks(calibration_texts, tokenizer, 256)[: 16 if args.quick else 48]
-    report = calibrate(model, calibration_blocks, criterion=args.criterion, target_agreement=args.target_agreement)
+    # row policy: at batch 8 a batch-wide exit would need all eight rows confident at once
+    report = calibrate(model, calibration_blocks, criterion=args.criterion, target_agreement=args.target_agreement,
+                       policy=args.policy)
     apply_calibration(model, report)
     print("  ", report["message"])
 
