@@ -344,13 +344,14 @@ class EarlyExitMixin:
         cur_pos, cur_emb, cur_masks = position_ids, pos_emb, masks
         exited_rows, exited_states = [], []
         logits_out = exit_layers = None
+        done = {}  # the exited rows, their exit states and rotary embeddings (row policy)
+        layer_cache = cache  # what the layers see: the cache, or a view of it for the running rows
 
         def fill(layer_idx):  # full-batch K/V at `layer_idx`, exited rows backfilled (row policy, immediate)
-            done_rows, done_states = torch.cat(exited_rows), torch.cat(exited_states)
-            emb = tuple(_rows(t, done_rows, batch) for t in pos_emb)
-            k, v = self._backfill_kv(layer_idx, done_states, emb)
+            k, v = self._backfill_kv(layer_idx, done["states"], done["emb"])
             shape = (batch, *k.shape[1:])
-            return k.new_zeros(shape).index_copy_(0, done_rows, k), v.new_zeros(shape).index_copy_(0, done_rows, v)
+            return (k.new_zeros(shape).index_copy_(0, done["rows"], k),
+                    v.new_zeros(shape).index_copy_(0, done["rows"], v))
 
         for j, layer in enumerate(decoder.layers[:num_layers]):
             if deferred and (entry := cache.pop_pending(j)) is not None:
@@ -359,16 +360,9 @@ class EarlyExitMixin:
                 cur_pos = torch.cat([entry.position_ids, cur_pos], dim=1)
                 cur_emb = decoder.rotary_emb(h, cur_pos)
                 cur_masks = fam.build_masks(config, h, mask_2d, cache, cur_pos, layer_idx=j)
-            mask = cur_masks[fam.layer_type(config, j)]
             h_in = h
-            if not exited_rows:
-                h = layer(h, attention_mask=mask, position_embeddings=cur_emb, position_ids=cur_pos, cache=cache,
-                          use_cache=True)
-            else:
-                h = layer(h, attention_mask=_rows(mask, rows, batch),
-                          position_embeddings=tuple(_rows(t, rows, batch) for t in cur_emb),
-                          position_ids=_rows(cur_pos, rows, batch), cache=RowSubsetCache(cache, rows, fill),
-                          use_cache=True)
+            h = layer(h, attention_mask=cur_masks[fam.layer_type(config, j)], position_embeddings=cur_emb,
+                      position_ids=cur_pos, cache=layer_cache, use_cache=True)
             if j not in settings.thresholds or j == num_layers - 1:
                 continue
             confident, logits = self._check(settings, j, h[:, -1], h_in[:, -1], rows, state)
@@ -380,19 +374,23 @@ class EarlyExitMixin:
             if idx.numel() == rows.numel():  # every running row has exited at j
                 if deferred:
                     cache.add_pending(j + 1, h, cur_pos)
-                else:
-                    exited_rows.append(rows)
-                    exited_states.append(h)
-                    done_rows = torch.cat(exited_rows)
-                    order = torch.argsort(done_rows)
-                    states = torch.cat(exited_states).index_select(0, order)  # back to batch order
-                    for skipped in range(j + 1, num_layers):
-                        cache.update(*self._backfill_kv(skipped, states, pos_emb), skipped)
+                    return logits_out, exit_layers
+                done_rows, done_states = torch.cat(exited_rows + [rows]), torch.cat(exited_states + [h])
+                states = done_states.index_select(0, torch.argsort(done_rows))  # back to batch order
+                for skipped in range(j + 1, num_layers):
+                    cache.update(*self._backfill_kv(skipped, states, pos_emb), skipped)
                 return logits_out, exit_layers
+            # some rows exit: the rest go on as a smaller batch, through a view of the cache that backfills the others
             keep = (~confident).nonzero().squeeze(1)
             exited_rows.append(rows.index_select(0, idx))
             exited_states.append(h.index_select(0, idx))
             rows, h = rows.index_select(0, keep), h.index_select(0, keep)
+            done["rows"], done["states"] = torch.cat(exited_rows), torch.cat(exited_states)
+            done["emb"] = tuple(_rows(t, done["rows"], batch) for t in pos_emb)
+            cur_masks = {name: _rows(m, rows, batch) for name, m in masks.items()}
+            cur_emb = tuple(_rows(t, rows, batch) for t in pos_emb)
+            cur_pos = _rows(position_ids, rows, batch)
+            layer_cache = RowSubsetCache(cache, rows, fill)
 
         final = self.lm_head(decoder.norm(h[:, -1]))
         return self._place(logits_out, exit_layers, rows, final, num_layers - 1, batch)
