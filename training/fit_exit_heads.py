@@ -526,7 +526,13 @@ def fit_confidence_heads(model, train_blocks, heldout_blocks, config: FitConfig,
     positive rate per exit. Deterministic in `config.seed` (re-run, not checkpointed: it is short)."""
     ee = _ee(model)
     device = ee.model.embed_tokens.weight.device
+    fresh = ee.confidence_heads is None
     heads = ee.add_confidence_heads()
+    if fresh:  # start silent (p = 0.5) and deterministic, whatever the runtime's initialiser did
+        with torch.no_grad():
+            for head in heads:
+                head.proj.weight.zero_()
+                head.proj.bias.zero_()
     for p in ee.parameters():
         p.requires_grad_(False)
     for p in heads.parameters():
