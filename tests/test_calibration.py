@@ -182,3 +182,27 @@ def test_calibrate_learned_and_cosine_criteria(fitted):
         apply_calibration(model, report)
         out = model.generate(heldout[:1, :6], max_new_tokens=4, return_dict_in_generate=True)
         assert out.exit_layers.shape[0] == 1 and model.config.exit_criterion == criterion  # (may stop at EOS)
+
+
+def test_on_policy_agreement_full_depth_is_exact(fitted):
+    from training.calibrate import on_policy_agreement
+
+    folder, _, heldout = fitted
+    model = eet.from_base(folder)
+    prompts = heldout[:2, :8]
+    full = on_policy_agreement(model, prompts, {"early_exit": False}, new_tokens=6)
+    assert full["agreement"] == 1.0 and full["exit_rate"] == 0.0, "full depth must agree with itself on its own text"
+    eager = on_policy_agreement(model, prompts, {"exit_criterion": "max_prob", "exit_threshold": 0.0}, new_tokens=6)
+    assert eager["exit_rate"] == 1.0 and eager["mean_exit_layer"] == 0.0
+
+
+def test_calibrate_verifies_by_decoding(fitted):
+    folder, _, heldout = fitted
+    model = eet.from_base(folder)
+    report = calibrate(model, heldout, target_agreement=0.6, costs=FREE, verify_prompts=2, verify_new_tokens=6,
+                       verify_prompt_length=8)
+    assert report["verification"], "verification rounds are recorded"
+    if report["chosen"] is not None:
+        assert report["on_policy_B"]["agreement"] >= 0.6, "a verified choice meets the target when really decoding"
+    else:
+        assert all(v["agreement"] < 0.6 for v in report["verification"]) and "really decoding" in report["message"]

@@ -10,7 +10,11 @@ decoder-layer steps). So calibration
      argmax equals the final one;
   3. on split A, searches exit subsets x thresholds for the highest predicted tokens/s whose agreement with full
      depth reaches the target (full depth itself is a candidate: if no policy beats it, exits stay off);
-  4. reports agreement, mean exit layer and predicted speed-up of the choice on split B, and stores it in the model's
+  4. optionally (`--verify-prompts N`, on by default in the CLI) really decodes N split-B prompts with the choice and
+     asks the full model, on the text produced, what it would have chosen: exits feed their own mistakes back into
+     the context, so this on-policy agreement is usually below the teacher-forced one; while it misses the target the
+     search reruns with the target raised by the shortfall, and exits stay off if it never passes;
+  5. reports agreement, mean exit layer and predicted speed-up of the choice on split B, and stores it in the model's
      config (so `generate()` with no exit arguments uses it), its card and `calibration.json`.
 
 The simulation is per token (batch 1): with `policy="batch"` and larger batches a step exits only when every row is
@@ -288,9 +292,48 @@ def _as_blocks(data, tokenizer, block_size):
     return tokenize_blocks(list(data), tokenizer, block_size)
 
 
+@torch.no_grad()
+def on_policy_agreement(model, prompts: torch.LongTensor, exit_kwargs: dict, new_tokens: int = 32,
+                        batch_size: int = 1) -> dict:
+    """Decodes `prompts` (n, p) greedily with early exit (`exit_kwargs` as given to `generate`), then asks the full
+    model, on the very text it produced, what it would have chosen at each generated position. Unlike teacher-forced
+    scores this sees the drift early exits cause in their own context. Returns agreement, mean exit layer, exit rate
+    and the number of tokens (tokens after EOS are not counted)."""
+    was_training = model.training
+    model.eval()
+    device = model.model.embed_tokens.weight.device
+    last = model.config.num_hidden_layers - 1
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else model.config.eos_token_id
+    agree = total = exited = 0
+    layer_sum = 0.0
+    for start in range(0, prompts.shape[0], batch_size):
+        ids = prompts[start:start + batch_size].to(device)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+                             return_dict_in_generate=True, pad_token_id=pad, **exit_kwargs)
+        sequences, layers = out.sequences, out.exit_layers.to(device)
+        new = sequences[:, ids.shape[1]:]
+        reference = model(input_ids=sequences).logits[:, ids.shape[1] - 1:-1].argmax(-1)  # full depth
+        valid = layers >= 0
+        agree += int(((reference == new) & valid).sum())
+        total += int(valid.sum())
+        exited += int(((layers < last) & valid).sum())
+        layer_sum += float(layers[valid].double().sum())
+    model.train(was_training)
+    total = max(total, 1)
+    return {"agreement": agree / total, "mean_exit_layer": layer_sum / total, "exit_rate": exited / total,
+            "tokens": total}
+
+
+def _exit_kwargs(criterion, check_layers, thresholds, policy, patience, kv) -> dict:
+    return {"exit_criterion": criterion, "exit_threshold": list(thresholds), "exit_check_layers": list(check_layers),
+            "exit_policy": policy, "exit_patience": patience, "exit_kv": kv}
+
+
 def calibrate(model, data, tokenizer=None, criterion: str = "max_prob", target_agreement: float = 0.95,
               policy: str = "batch", patience: int = 0, kv: str | None = None, block_size: int | None = None,
-              costs: dict | None = None, batch_size: int = 4, seed: int = 0, decode_batch_size: int = 1) -> dict:
+              costs: dict | None = None, batch_size: int = 4, seed: int = 0, decode_batch_size: int = 1,
+              verify_prompts: int = 0, verify_new_tokens: int = 32, verify_prompt_length: int = 32,
+              verify_rounds: int = 3) -> dict:
     """Chooses the exits to check and their thresholds for `model` (an early-exit model, fitted).
 
     data: held-out blocks `(n, block_size)` (n >= 2), or texts (with `tokenizer`, `block_size`). Split in two
@@ -299,6 +342,11 @@ def calibrate(model, data, tokenizer=None, criterion: str = "max_prob", target_a
         backfill_cost in layer steps) to pin them (tests, or another target machine).
     decode_batch_size: the batch size decoding will run at. With `policy="batch"` rows of a batch exit together, so
         the simulation groups positions into batches of this size; with `policy="row"` it simulates rows alone.
+    verify_prompts: when > 0, the choice is also checked by really decoding that many split-B prompts
+        (`verify_prompt_length` tokens, `verify_new_tokens` new ones) and measuring on-policy agreement (see
+        `on_policy_agreement`). Exits feed their own errors back into the context, so this is usually lower than the
+        teacher-forced figure; while it misses the target the search is rerun with the target raised by the shortfall
+        (up to `verify_rounds` times), and exits stay off if it never passes.
     Returns the report (see `calibration.json`); `apply_calibration(model, report)` stores the choice.
     """
     if criterion not in CRITERIA:
@@ -316,6 +364,9 @@ def calibrate(model, data, tokenizer=None, criterion: str = "max_prob", target_a
     if blocks.shape[0] < 2:
         raise ValueError(f"Calibration needs at least 2 held-out blocks (one to choose on, one to report on), got "
                          f"{blocks.shape[0]}; give more text or a smaller block size.")
+    if verify_prompts and blocks.shape[1] < verify_prompt_length + 1:
+        raise ValueError(f"`verify_prompt_length`={verify_prompt_length} needs blocks longer than that.")
+    kv = kv or "immediate"
     order = torch.randperm(blocks.shape[0], generator=torch.Generator().manual_seed(seed))
     half = blocks.shape[0] // 2
     split_a, split_b = blocks[order[:half]], blocks[order[half:]]
@@ -327,16 +378,40 @@ def calibrate(model, data, tokenizer=None, criterion: str = "max_prob", target_a
     costs.setdefault("check_cost", 0.0)
     data_a = collect_exit_scores(model, split_a, criterion, batch_size)
     data_b = collect_exit_scores(model, split_b, criterion, batch_size)
-    found = search_policy(data_a, exit_layers, num_layers, costs, criterion, target_agreement, patience, group=group)
-    best = found["best"]
     per_exit_b = [round(float((data_b["argmax"][:, i] == data_b["final"]).double().mean()), 4)
                   for i in range(len(exit_layers))]
-    report = {"criterion": criterion, "policy": policy, "patience": patience, "kv": kv or "immediate",
-              "target_agreement": target_agreement, "decode_batch_size": decode_batch_size, "exit_layers": exit_layers, "num_hidden_layers": num_layers,
-              "costs": costs, "positions": {"A": int(data_a["final"].numel()), "B": int(data_b["final"].numel())},
+    report = {"criterion": criterion, "policy": policy, "patience": patience, "kv": kv,
+              "target_agreement": target_agreement, "decode_batch_size": decode_batch_size,
+              "exit_layers": exit_layers, "num_hidden_layers": num_layers, "costs": costs,
+              "positions": {"A": int(data_a["final"].numel()), "B": int(data_b["final"].numel())},
               "per_exit_agreement_B": per_exit_b, "chosen": None, "selection_A": None, "heldout_B": None,
-              "candidates": [{**{k: v for k, v in c.items() if k != "check"},
-                              "check_layers": [exit_layers[i] for i in c["check"]]} for c in found["candidates"]]}
+              "on_policy_B": None, "verification": []}
+    prompts = split_b[:verify_prompts, :verify_prompt_length] if verify_prompts else None
+    search_target = target_agreement
+    for _ in range(max(1, verify_rounds if verify_prompts else 1)):
+        found = search_policy(data_a, exit_layers, num_layers, costs, criterion, search_target, patience, group=group)
+        best = found["best"]
+        report["candidates"] = [{**{k: v for k, v in c.items() if k != "check"},
+                                 "check_layers": [exit_layers[i] for i in c["check"]]} for c in found["candidates"]]
+        if best is None or best["speedup"] < 1.0:
+            break
+        check_layers = [exit_layers[i] for i in best["check"]]
+        if prompts is None:
+            break
+        checked = on_policy_agreement(model, prompts, _exit_kwargs(criterion, check_layers, best["thresholds"], policy,
+                                                                   patience, kv),
+                                      verify_new_tokens, decode_batch_size)
+        report["verification"].append({"search_target": search_target, "check_layers": check_layers,
+                                       "thresholds": [float(t) for t in best["thresholds"]], **checked})
+        if checked["agreement"] >= target_agreement:
+            report["on_policy_B"] = checked
+            break
+        if search_target >= 1.0:
+            best = None
+            break
+        search_target = min(1.0, search_target + (target_agreement - checked["agreement"]))
+    else:
+        best = None  # every verified round missed the target
     if best is not None and best["speedup"] >= 1.0:
         check_layers = [exit_layers[i] for i in best["check"]]
         report["chosen"] = {"check_layers": check_layers, "thresholds": [float(t) for t in best["thresholds"]]}
@@ -346,6 +421,12 @@ def calibrate(model, data, tokenizer=None, criterion: str = "max_prob", target_a
         report["message"] = (f"check exits {check_layers} at thresholds "
                              f"{[round(t, 4) for t in best['thresholds']]}: predicted {report['heldout_B']['speedup']:.2f}x "
                              f"at agreement {report['heldout_B']['agreement']:.3f} on held-out split B")
+        if report["on_policy_B"] is not None:
+            report["message"] += f" ({report['on_policy_B']['agreement']:.3f} when really decoding)"
+    elif report["verification"] and (best is None or best["speedup"] >= 1.0):
+        last = report["verification"][-1]
+        report["message"] = (f"exits left off: really decoding held-out prompts, the best policy agreed with full "
+                             f"depth on only {last['agreement']:.3f} of tokens (target {target_agreement})")
     elif best is not None:
         report["message"] = (f"exits left off: the best policy reaching agreement {target_agreement} "
                              f"(exits {[exit_layers[i] for i in best['check']]}) predicts only {best['speedup']:.2f}x, "
@@ -404,6 +485,10 @@ def calibration_card(report: dict) -> str:
             f"| B (reported) | {report['positions']['B']} | {b['agreement']:.3f} | {b['mean_exit_layer']:.2f} | "
             f"{b['exit_rate']:.3f} | {b['speedup']:.2f}x |",
         ]
+        if report.get("on_policy_B"):
+            v = report["on_policy_B"]
+            lines.append(f"| B, really decoded (on-policy) | {v['tokens']} tokens | {v['agreement']:.3f} | "
+                         f"{v['mean_exit_layer']:.2f} | {v['exit_rate']:.3f} | - |")
     else:
         lines.append(f"**Early exit is off by default** ({report['message']}). Pass exit arguments to `generate()` "
                      "to try it anyway.")
@@ -434,6 +519,9 @@ def build_parser():
     p.add_argument("--decode-batch-size", type=int, default=1,
                    help="batch size decoding will run at: costs are measured there, and with --policy batch rows are "
                         "simulated exiting together")
+    p.add_argument("--verify-prompts", type=int, default=8,
+                   help="really decode this many held-out prompts to check the choice on-policy (0 = skip)")
+    p.add_argument("--verify-new-tokens", type=int, default=32)
     p.add_argument("--costs", help="JSON with head_cost/check_cost/backfill_cost to use instead of measuring")
     p.add_argument("--out", help="write the calibrated folder here (default: update the model folder in place)")
     p.add_argument("--seed", type=int, default=0)
@@ -477,7 +565,9 @@ def _run(args):
     blocks = tokenize_blocks(texts, model.tokenizer, args.block_size)[: args.max_blocks]
     report = calibrate(model, blocks, criterion=args.criterion, target_agreement=args.target_agreement,
                        policy=args.policy, patience=args.patience, kv=args.kv, costs=costs,
-                       batch_size=args.batch_size, seed=args.seed, decode_batch_size=args.decode_batch_size)
+                       batch_size=args.batch_size, seed=args.seed, decode_batch_size=args.decode_batch_size,
+                       verify_prompts=args.verify_prompts, verify_new_tokens=args.verify_new_tokens,
+                       verify_prompt_length=min(32, args.block_size // 2))
     report["data"] = [os.path.basename(p) for p in args.data]
     apply_calibration(model, report)
     card = {}
