@@ -112,11 +112,13 @@ def test_evaluate_exits_matches_exit_logits(tiny):
     assert got == pytest.approx(expected, abs=1e-4)
 
 
-def test_resume_equals_uninterrupted(tiny, tmp_path):
+@pytest.mark.parametrize("lora", [0, 2], ids=["frozen", "lora"])
+def test_resume_equals_uninterrupted(tiny, tmp_path, lora):
     base, _, train, heldout = tiny
-    config = FitConfig(steps=6, batch_size=2, grad_accum=2, lr=1e-2, warmup_steps=2, checkpoint_every=3, **QUIET)
-    full = load(base)
-    fit_exit_heads(full, train, heldout, config, checkpoint_dir=tmp_path / "a")
+    extra = dict(lora_rank=lora, lora_lr=1e-2, layer_dropout=0.3) if lora else {}
+    config = FitConfig(steps=6, batch_size=2, grad_accum=2, lr=1e-2, warmup_steps=2, checkpoint_every=3, **extra,
+                       **QUIET)
+    full = fit_exit_heads(load(base), train, heldout, config, checkpoint_dir=tmp_path / "a").model
 
     class Killed(Exception):
         pass
@@ -131,8 +133,12 @@ def test_resume_equals_uninterrupted(tiny, tmp_path):
     torch.manual_seed(999)  # a fresh process: other global RNG state, other initial heads
     resumed = eet.from_base(base, exit_layers=[1, 2], exit_head="adapter", exit_adapter_rank=8)
     result = fit_exit_heads(resumed, train, heldout, config, checkpoint_dir=tmp_path / "b", resume="auto")
-    a, b = heads_of(full), heads_of(resumed)
-    assert all(torch.equal(a[k], b[k]) for k in a), "a resumed run must end with exactly the uninterrupted heads"
+    a, b = full.state_dict(), result.model.state_dict()  # heads (and, with LoRA, the merged backbone)
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a), "a resumed run must end with exactly the uninterrupted weights"
+    if lora:
+        assert any(not torch.equal(v, eet.from_base(base).state_dict()[k]) for k, v in b.items()
+                   if k.startswith("model.layers.")), "LoRA should have moved the merged backbone"
     assert len(result.history) == 6
     files = sorted(os.listdir(list_checkpoints(tmp_path / "b")[-1]))
     assert files == ["optimizer.safetensors", "rng.safetensors", "state.json", "trainable.safetensors"]

@@ -184,20 +184,27 @@ def _kl(teacher_logp: torch.Tensor, student_logits: torch.Tensor, temperature: f
 
 class LayerDrop:
     """LoRA training only: skips decoder layer l (its output = its input) with probability p * l / (L - 1), one draw
-    per layer per micro-batch from a seeded generator. Off while the teacher runs."""
+    per layer per micro-batch from a seeded generator. Off while the teacher runs.
+
+    It replaces the layers' `forward` on the instance rather than adding a forward hook: transformers captures hidden
+    states with forward hooks installed lazily at the first `output_hidden_states` call, so a hook's effect on the
+    captured states would depend on which was registered first (and a resumed run would differ from an uninterrupted
+    one). A skipped layer also costs nothing."""
 
     def __init__(self, layers, p_max: float):
         self.active, self.drop = False, set()
         n = len(layers)
         self.p = [p_max * i / max(1, n - 1) for i in range(n)]
-        self.handles = [layer.register_forward_hook(self._hook(i), with_kwargs=True) for i, layer in enumerate(layers)]
+        self.layers = list(layers)
+        for i, layer in enumerate(self.layers):
+            layer.forward = self._wrap(i, layer, layer.forward)
 
-    def _hook(self, index):
-        def hook(module, args, kwargs, output):
-            if self.active and module.training and index in self.drop:
+    def _wrap(self, index, layer, forward):
+        def maybe_skip(*args, **kwargs):
+            if self.active and layer.training and index in self.drop:
                 return args[0] if args else kwargs["hidden_states"]
-            return output
-        return hook
+            return forward(*args, **kwargs)
+        return maybe_skip
 
     def draw(self, seed: int):
         generator = torch.Generator().manual_seed(seed)
@@ -205,8 +212,9 @@ class LayerDrop:
         self.drop = {i for i, p in enumerate(self.p) if u[i] < p}
 
     def remove(self):
-        for handle in self.handles:
-            handle.remove()
+        for layer in self.layers:
+            if "forward" in vars(layer):
+                del layer.forward  # back to the class's forward
 
 
 class DistillationStep(nn.Module):
@@ -272,7 +280,7 @@ def evaluate_exits(model, blocks: torch.LongTensor, batch_size: int = 4, lora: b
     """
     ee = _ee(model)
     lora = hasattr(model, "disable_adapter") if lora is None else lora
-    was_training = ee.training
+    modes = [(m, m.training) for m in ee.modules()]  # restored exactly: the trainer's modes differ per module
     ee.eval()
     exits = list(ee.config.exit_layers)
     agree = torch.zeros(len(exits), dtype=torch.float64)
@@ -297,7 +305,8 @@ def evaluate_exits(model, blocks: torch.LongTensor, batch_size: int = 4, lora: b
             agree[i] += float((logits.argmax(-1) == ref_argmax).sum())
             kl[i] += float(_kl(ref_logp, logits, 1.0)) * ref_argmax.numel()
         count += ref_argmax.numel()
-    ee.train(was_training)
+    for m, mode in modes:
+        m.training = mode
     count = max(count, 1)
     result = {"agreement": [round(float(a) / count, 4) for a in agree], "kl": [round(float(k) / count, 4) for k in kl],
               "positions": count, "final_agreement": None, "final_kl": None}
@@ -439,60 +448,63 @@ def fit_exit_heads(model, train_blocks: torch.LongTensor, heldout_blocks: torch.
         progress = tqdm(total=config.steps, initial=start_step, desc="fit exit heads", dynamic_ncols=True)
     meta = {"exit_layers": exits, "exit_head": ee.config.exit_head, "exit_adapter_rank": ee.config.exit_adapter_rank,
             "lora_rank": config.lora_rank, "config": asdict(config)}
-    running_agree = None
-    for step in range(start_step, config.steps):
-        step_loss, step_agree, step_final = 0.0, torch.zeros(len(exits)), []
-        for micro in range(config.grad_accum):
-            m = step * config.grad_accum + micro  # global micro-batch index
-            first = (m * world + rank) * config.batch_size
-            samples = range(first, first + config.batch_size)
-            ids = torch.stack([train_blocks[stream.block_index(g)] for g in samples]).to(accelerator.device)
-            pos = torch.stack([sample_positions(block_size, config.positions_per_block, config.seed, g)
-                               for g in samples]).to(accelerator.device)
-            if step_module.layer_drop is not None:
-                step_module.layer_drop.draw(config.seed * 1_000_003 + 500_009 * (m + 1))
-            sync = micro == config.grad_accum - 1
-            with (nullcontext() if sync else accelerator.no_sync(wrapped)), accelerator.autocast():
-                loss, agree, final_agree = wrapped(ids, pos)
-                accelerator.backward(loss / config.grad_accum)
-            step_loss += float(loss.detach()) / config.grad_accum
-            step_agree += agree.float().cpu() / config.grad_accum
-            if not math.isnan(float(final_agree)):
-                step_final.append(float(final_agree))
-        if config.max_grad_norm:
-            accelerator.clip_grad_norm_([p for g in groups for p in g["params"]], config.max_grad_norm)
-        prepared_optimizer.step()
-        scheduler.step()
-        prepared_optimizer.zero_grad(set_to_none=True)
-        done = step + 1
-        running_agree = step_agree if running_agree is None else 0.9 * running_agree + 0.1 * step_agree
-        metrics = {"step": done, "loss": round(step_loss, 5), "agreement": [round(float(a), 4) for a in step_agree],
-                   "lr": scheduler.get_last_lr()[0]}
-        if step_final:
-            metrics["final_agreement"] = round(sum(step_final) / len(step_final), 4)
-        if config.eval_every and done % config.eval_every == 0 and done < config.steps and heldout is not None:
-            metrics["eval"] = evaluate_exits(model, heldout.to(accelerator.device), config.batch_size, lora=lora)
-            accelerator.print(f"step {done}: held-out agreement {metrics['eval']['agreement']}")
-        history.append(metrics)
-        if progress is not None:
-            postfix = {"loss": f"{step_loss:.3f}", "agree": "/".join(f"{a:.2f}" for a in running_agree)}
+    try:
+        running_agree = None
+        for step in range(start_step, config.steps):
+            step_loss, step_agree, step_final = 0.0, torch.zeros(len(exits)), []
+            for micro in range(config.grad_accum):
+                m = step * config.grad_accum + micro  # global micro-batch index
+                first = (m * world + rank) * config.batch_size
+                samples = range(first, first + config.batch_size)
+                ids = torch.stack([train_blocks[stream.block_index(g)] for g in samples]).to(accelerator.device)
+                pos = torch.stack([sample_positions(block_size, config.positions_per_block, config.seed, g)
+                                   for g in samples]).to(accelerator.device)
+                if step_module.layer_drop is not None:
+                    step_module.layer_drop.draw(config.seed * 1_000_003 + 500_009 * (m + 1))
+                sync = micro == config.grad_accum - 1
+                with (nullcontext() if sync else accelerator.no_sync(wrapped)), accelerator.autocast():
+                    loss, agree, final_agree = wrapped(ids, pos)
+                    accelerator.backward(loss / config.grad_accum)
+                step_loss += float(loss.detach()) / config.grad_accum
+                step_agree += agree.float().cpu() / config.grad_accum
+                if not math.isnan(float(final_agree)):
+                    step_final.append(float(final_agree))
+            if config.max_grad_norm:
+                accelerator.clip_grad_norm_([p for g in groups for p in g["params"]], config.max_grad_norm)
+            prepared_optimizer.step()
+            scheduler.step()
+            prepared_optimizer.zero_grad(set_to_none=True)
+            done = step + 1
+            running_agree = step_agree if running_agree is None else 0.9 * running_agree + 0.1 * step_agree
+            metrics = {"step": done, "loss": round(step_loss, 5), "agreement": [round(float(a), 4) for a in step_agree],
+                       "lr": scheduler.get_last_lr()[0]}
             if step_final:
-                postfix["final"] = f"{metrics['final_agreement']:.2f}"
-            progress.set_postfix(postfix)
-            progress.update(1)
-        if checkpoint_dir and config.checkpoint_every and done % config.checkpoint_every == 0:
-            accelerator.wait_for_everyone()
-            if accelerator.is_main_process:
-                save_checkpoint(checkpoint_dir, done, trainable_state(model), optimizer, scheduler,
-                                {"meta": meta, "before": before, "history": history,
-                                 "data_position": (done * config.grad_accum) * world * config.batch_size},
-                                keep=config.keep_checkpoints)
-        if on_step is not None and accelerator.is_main_process:
-            on_step(done, metrics)
-    if progress is not None:
-        progress.close()
+                metrics["final_agreement"] = round(sum(step_final) / len(step_final), 4)
+            if config.eval_every and done % config.eval_every == 0 and done < config.steps and heldout is not None:
+                metrics["eval"] = evaluate_exits(model, heldout.to(accelerator.device), config.batch_size, lora=lora)
+                accelerator.print(f"step {done}: held-out agreement {metrics['eval']['agreement']}")
+            history.append(metrics)
+            if progress is not None:
+                postfix = {"loss": f"{step_loss:.3f}", "agree": "/".join(f"{a:.2f}" for a in running_agree)}
+                if step_final:
+                    postfix["final"] = f"{metrics['final_agreement']:.2f}"
+                progress.set_postfix(postfix)
+                progress.update(1)
+            if checkpoint_dir and config.checkpoint_every and done % config.checkpoint_every == 0:
+                accelerator.wait_for_everyone()
+                if accelerator.is_main_process:
+                    save_checkpoint(checkpoint_dir, done, trainable_state(model), optimizer, scheduler,
+                                    {"meta": meta, "before": before, "history": history,
+                                     "data_position": (done * config.grad_accum) * world * config.batch_size},
+                                    keep=config.keep_checkpoints)
+            if on_step is not None and accelerator.is_main_process:
+                on_step(done, metrics)
+    finally:  # a killed or failed run leaves the model as it found it
+        if step_module.layer_drop is not None:
+            step_module.layer_drop.remove()
+        if progress is not None:
+            progress.close()
     accelerator.wait_for_everyone()
-    step_module.layer_drop and step_module.layer_drop.remove()
     _ee(model).eval()
     after = evaluate_exits(model, heldout.to(accelerator.device), config.batch_size, lora=lora) if heldout is not None else None
 
