@@ -433,6 +433,10 @@ def calibrate(model, data, tokenizer=None, criterion: str = "max_prob", target_a
                              "slower than full depth once check costs are counted")
     else:
         report["message"] = f"exits left off: no exit policy reaches agreement {target_agreement} on split A"
+    if report["chosen"] is None and search_target > target_agreement:
+        first = report["verification"][0]
+        report["message"] += (f" (really decoding, the first choice agreed on only {first['agreement']:.3f}, so the "
+                              f"teacher-forced target was raised to {search_target:.3f})")
     return report
 
 
