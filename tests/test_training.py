@@ -101,6 +101,17 @@ def test_frozen_backbone_is_bit_identical_and_heads_learn(tiny):
     assert len(result.history) == 12 and len(result.history[-1]["agreement"]) == 2
 
 
+def test_bf16_mixed_precision_after_fp32_runs(tiny):
+    base, _, train, heldout = tiny
+    fit_exit_heads(load(base), train, None, FitConfig(steps=1, batch_size=2, **QUIET))
+    model = load(base)
+    heads = heads_of(model)
+    fit_exit_heads(model, train, None, FitConfig(steps=2, batch_size=2, lr=1e-2, mixed_precision="bf16", **QUIET))
+    assert all(v.dtype == torch.float32 for v in heads_of(model).values()), "master weights stay fp32 under autocast"
+    assert any(not torch.equal(v, heads_of(model)[k]) for k, v in heads.items())
+    fit_exit_heads(load(base), train, None, FitConfig(steps=1, batch_size=2, **QUIET))  # and back
+
+
 def test_evaluate_exits_matches_exit_logits(tiny):
     base, _, _, heldout = tiny
     model = load(base).eval()

@@ -379,8 +379,6 @@ def fit_exit_heads(model, train_blocks: torch.LongTensor, heldout_blocks: torch.
     Returns a `FitResult`; `result.model` is the early-exit model (LoRA merged when `config.merge_lora`, else the
     peft-wrapped model).
     """
-    from accelerate import Accelerator
-
     config = config or FitConfig()
     ee = _ee(model)
     exits = list(ee.config.exit_layers)
@@ -398,7 +396,7 @@ def fit_exit_heads(model, train_blocks: torch.LongTensor, heldout_blocks: torch.
     if resume_state is not None:
         _check_resume(resume_state, model, config)
 
-    accelerator = accelerator or Accelerator(mixed_precision=config.mixed_precision, cpu=not torch.cuda.is_available())
+    accelerator = accelerator or make_accelerator(config.mixed_precision)
     started = time.time()
     if lora and not hasattr(model, "disable_adapter"):
         model = attach_lora(model, config)
@@ -522,6 +520,19 @@ def fit_exit_heads(model, train_blocks: torch.LongTensor, heldout_blocks: torch.
         p.requires_grad_(False)
     result.seconds = round(time.time() - started, 2)
     return result
+
+
+def make_accelerator(mixed_precision: str = "no"):
+    """An `accelerate.Accelerator` (CPU when there is no GPU). accelerate keeps one global state per process; a later
+    run asking for another mixed precision (tests, notebooks) resets that state rather than failing."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    try:
+        return Accelerator(mixed_precision=mixed_precision, cpu=not torch.cuda.is_available())
+    except ValueError:
+        AcceleratorState._reset_state()  # keeps the process group (PartialState) of a distributed launch
+        return Accelerator(mixed_precision=mixed_precision, cpu=not torch.cuda.is_available())
 
 
 def merge_lora(model):
@@ -861,9 +872,7 @@ def _run(args):
                          heldout_fraction=args.heldout_fraction, seed=config.seed)
 
     # ---- the work --------------------------------------------------------------------------------------------------
-    from accelerate import Accelerator
-
-    accelerator = Accelerator(mixed_precision=config.mixed_precision, cpu=not torch.cuda.is_available())
+    accelerator = make_accelerator(config.mixed_precision)
     torch.manual_seed(config.seed)  # the exit adapters' initial down-projections (DDP then broadcasts rank 0's)
     model = _load(args, exit_layers, head, rank, quantization).to(accelerator.device) if quantization is None else \
         _load(args, exit_layers, head, rank, quantization)
