@@ -122,8 +122,8 @@ class EarlyExitMixin:
             self.confidence_heads = nn.ModuleList(
                 [ConfidenceHead(self.config.hidden_size).to(device) for _ in self.config.exit_layers]
             )
-            for head in self.confidence_heads:
-                self._init_weights(head)
+            for module in reversed(list(self.confidence_heads.modules())):
+                self._init_weights(module)  # zero-start: a fresh head says 0.5 everywhere
         self.config.exit_confidence_heads = True
         return self.confidence_heads
 
