@@ -374,7 +374,7 @@ def fit_exit_heads(model, train_blocks: torch.LongTensor, heldout_blocks: torch.
 
     checkpoint_dir / resume: checkpoints every `config.checkpoint_every` steps go to `checkpoint_dir`; `resume` is a
         checkpoint folder or "auto" (newest in `checkpoint_dir`). A resumed run ends equal to an uninterrupted one.
-    accelerator: an `accelerate.Accelerator` (one is made from `config.mixed_precision` when None).
+    accelerator: an `accelerate.Accelerator` (`make_accelerator(config.mixed_precision, ...)` when None).
     on_step: optional `on_step(step, metrics)` called after every optimizer step (from the main process).
     Returns a `FitResult`; `result.model` is the early-exit model (LoRA merged when `config.merge_lora`, else the
     peft-wrapped model).
@@ -396,7 +396,7 @@ def fit_exit_heads(model, train_blocks: torch.LongTensor, heldout_blocks: torch.
     if resume_state is not None:
         _check_resume(resume_state, model, config)
 
-    accelerator = accelerator or make_accelerator(config.mixed_precision)
+    accelerator = accelerator or make_accelerator(config.mixed_precision, bool(config.layer_dropout))
     started = time.time()
     if lora and not hasattr(model, "disable_adapter"):
         model = attach_lora(model, config)
@@ -522,17 +522,20 @@ def fit_exit_heads(model, train_blocks: torch.LongTensor, heldout_blocks: torch.
     return result
 
 
-def make_accelerator(mixed_precision: str = "no"):
+def make_accelerator(mixed_precision: str = "no", find_unused_parameters: bool = False):
     """An `accelerate.Accelerator` (CPU when there is no GPU). accelerate keeps one global state per process; a later
-    run asking for another mixed precision (tests, notebooks) resets that state rather than failing."""
-    from accelerate import Accelerator
+    run asking for another mixed precision (tests, notebooks) resets that state rather than failing.
+    `find_unused_parameters`: DDP must tolerate parameters without gradients (layer dropout skips layers' adapters)."""
+    from accelerate import Accelerator, DistributedDataParallelKwargs
     from accelerate.state import AcceleratorState
 
+    kwargs = dict(mixed_precision=mixed_precision, cpu=not torch.cuda.is_available(),
+                  kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=find_unused_parameters)])
     try:
-        return Accelerator(mixed_precision=mixed_precision, cpu=not torch.cuda.is_available())
+        return Accelerator(**kwargs)
     except ValueError:
         AcceleratorState._reset_state()  # keeps the process group (PartialState) of a distributed launch
-        return Accelerator(mixed_precision=mixed_precision, cpu=not torch.cuda.is_available())
+        return Accelerator(**kwargs)
 
 
 def merge_lora(model):
@@ -872,7 +875,7 @@ def _run(args):
                          heldout_fraction=args.heldout_fraction, seed=config.seed)
 
     # ---- the work --------------------------------------------------------------------------------------------------
-    accelerator = make_accelerator(config.mixed_precision)
+    accelerator = make_accelerator(config.mixed_precision, bool(config.layer_dropout))
     torch.manual_seed(config.seed)  # the exit adapters' initial down-projections (DDP then broadcasts rank 0's)
     model = _load(args, exit_layers, head, rank, quantization).to(accelerator.device) if quantization is None else \
         _load(args, exit_layers, head, rank, quantization)
