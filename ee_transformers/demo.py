@@ -64,6 +64,7 @@ def main(argv=None):
 
     from . import assets, bench
     from .convert import from_base
+    from .model_card import write_model_card
 
     print("== 1. assets")
     model_dir = assets.fetch_model()
@@ -118,7 +119,13 @@ def main(argv=None):
         stats = bench.compare(model, plain, prompts, batch_size=batch_size, new_tokens=args.new_tokens, exit_kwargs={},
                               repeats=2 if args.quick else 3, name="calibrated")
         rows.append((batch_size, stats))
-    print(_side_by_side(rows, model.config.num_hidden_layers))
+    table = _side_by_side(rows, model.config.num_hidden_layers)
+    print(table)
+    write_model_card(model, out, extra={"evaluation": (
+        f"Greedy decoding of {args.new_tokens} new tokens from {len(prompts)} held-out prompts (the second half of "
+        "*Sense and Sensibility* and a slice of the Python manual), early exit with the calibrated settings against "
+        "full depth on the same weights, interleaved in one process on this machine (`ee-transformers demo`):\n\n"
+        + table)})
     _show_sample(model, plain, tokenizer, prompts[0]["ids"], args.new_tokens)
     summary = {"folder": out, "fit": {k: v for k, v in result.summary().items() if k != "history"},
                "calibration": {k: report.get(k) for k in ("chosen", "heldout_B", "message")},

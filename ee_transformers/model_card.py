@@ -18,10 +18,6 @@ def _template_text() -> str:
     return repo_copy.read_text()
 
 
-def _yaml_list(items) -> str:
-    return "[" + ", ".join(json.dumps(str(item)) for item in items) + "]"
-
-
 def render_model_card(model, extra: dict | None = None) -> str:
     """The card for `model`. `extra` may hold: base_model, training (markdown), calibration (markdown),
     evaluation (markdown), notes (markdown)."""
@@ -42,7 +38,7 @@ def render_model_card(model, extra: dict | None = None) -> str:
         model_type=config.model_type,
         num_layers=config.num_hidden_layers,
         exit_layers=", ".join(map(str, exits)) or "none",
-        exit_layers_yaml=_yaml_list(exits),
+        exit_layers_yaml="[" + ", ".join(str(int(e)) for e in exits) + "]",
         exit_head=config.exit_head,
         adapter_rank=config.exit_adapter_rank if config.exit_head == "adapter" else "-",
         confidence_heads="yes" if config.exit_confidence_heads else "no",

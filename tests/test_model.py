@@ -203,7 +203,7 @@ def test_saved_folder_is_hub_ready_and_loads_without_the_package(base_dirs, fami
     card = (out_dir / "README.md").read_text()
     front = card.split("---")[1]
     for line in ("library_name: transformers", "pipeline_tag: text-generation", "base_model:",
-                 "tags: [early-exit, custom_code]", "exit_layers: [\"0\", \"2\"]"):
+                 "tags: [early-exit, custom_code]", "exit_layers: [0, 2]"):
         assert line in front
     assert "trust_remote_code=True" in card
 
