@@ -281,3 +281,4 @@ def test_cli_fit_4bit_qwen3_lora_kept(tmp_path):
     assert peft_model.generate(input_ids=ids, max_new_tokens=3, do_sample=False, early_exit=False).shape == (1, 7)
     report = json.loads((out / "fit_report.json").read_text())
     assert report["final_agreement"] is not None
+    assert "loaded in 4-bit" in (out / "README.md").read_text()

@@ -671,7 +671,7 @@ def agreement_table(exits, before, after, final_before=None, final_after=None) -
 
 
 def training_card(result: FitResult, config: FitConfig, base_model: str, data_desc: str, n_train: int,
-                  n_heldout: int, block_size: int, world: int = 1) -> str:
+                  n_heldout: int, block_size: int, world: int = 1, quantized: str | None = None) -> str:
     tokens = config.steps * config.grad_accum * config.batch_size * world * block_size
     lines = [
         f"Exit heads fitted by self-distillation from `{base_model}`'s own final layer "
@@ -695,6 +695,9 @@ def training_card(result: FitResult, config: FitConfig, base_model: str, data_de
                          "slightly different model from the base")
     else:
         lines.append("- backbone: frozen (bit-identical to the base model); only the exit heads were trained")
+    if quantized:
+        lines.append(f"- the frozen backbone was loaded in {quantized} (bitsandbytes) while fitting, and the agreements "
+                     "below were measured on it; this folder holds the original full-precision weights")
     if result.confidence:
         lines.append(f"- learned confidence heads: {result.confidence['steps']} steps; held-out accuracy "
                      f"{result.confidence['accuracy']}")
@@ -911,7 +914,8 @@ def _run(args):
     base_model = folder_config.get("_name_or_path") or os.path.basename(os.path.normpath(args.model))
     card = {"base_model": base_model,
             "training": training_card(result, config, base_model, data_desc, splits.train.shape[0],
-                                      splits.heldout.shape[0], args.block_size, accelerator.num_processes)}
+                                      splits.heldout.shape[0], args.block_size, accelerator.num_processes,
+                                      quantized="4-bit" if args.load_in_4bit else "8-bit" if args.load_in_8bit else None)}
     if adapter_tmp:
         card["notes"] = ("## LoRA adapters\n\nThe weights here are the ORIGINAL backbone; the fitted LoRA adapters are in "
                          "`lora_adapter/`. Load with `peft.PeftModel.from_pretrained(model, 'path/lora_adapter')`.")
