@@ -357,6 +357,10 @@ def calibrate(model, data, tokenizer=None, criterion: str = "max_prob", target_a
         raise ValueError(f"`policy` must be 'batch' or 'row', got {policy!r}.")
     if isinstance(patience, bool) or not isinstance(patience, int) or patience < 0 or patience == 1:
         raise ValueError(f"`patience` must be 0 (off) or an integer >= 2, got {patience!r}.")
+    if kv not in (None, "immediate", "deferred"):
+        raise ValueError(f"`kv` must be 'immediate' or 'deferred', got {kv!r}.")
+    if kv == "deferred" and policy == "row":
+        raise ValueError("`kv='deferred'` works with `policy='batch'` only.")
     exit_layers = list(model.config.exit_layers)
     if not exit_layers:
         raise ValueError("The model has no exit heads to calibrate (`config.exit_layers` is empty).")
