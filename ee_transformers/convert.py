@@ -32,10 +32,11 @@ def model_class_for(model_type: str):
     return cls
 
 
-def _read_config(path) -> dict:
+def read_config(path, argument: str = "path") -> dict:
+    """The raw `config.json` of a model folder; a `ValueError` naming `argument` when there is none."""
     config_file = os.path.join(str(path), "config.json")
     if not os.path.isfile(config_file):
-        raise ValueError(f"`{path}` is not a model folder: no config.json in it.")
+        raise ValueError(f"`{argument}` {str(path)!r} is not a model folder: no config.json in it.")
     with open(config_file) as f:
         return json.load(f)
 
@@ -46,7 +47,7 @@ def from_base(path, exit_layers=None, exit_head=None, exit_adapter_rank=None, **
     `exit_layers` (and `exit_head`, `exit_adapter_rank`) override what the checkpoint's config holds; everything is
     validated before any weight is read. Extra keyword arguments go to `from_pretrained` (e.g. `dtype`).
     """
-    config = _read_config(path)
+    config = read_config(path)
     cls = model_class_for(config.get("model_type"))
     overrides = {k: v for k, v in dict(exit_layers=exit_layers, exit_head=exit_head,
                                        exit_adapter_rank=exit_adapter_rank).items() if v is not None}

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ee_transformers.convert import read_config
 from training.checkpoint import latest_checkpoint, load_checkpoint, read_checkpoint_state, save_checkpoint
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -753,14 +754,6 @@ def build_parser():
     return p
 
 
-def _read_folder_config(path) -> dict:
-    file = os.path.join(str(path), "config.json")
-    if not os.path.isfile(file):
-        raise ValueError(f"`--model` {path!r} is not a model folder: no config.json in it.")
-    with open(file) as f:
-        return json.load(f)
-
-
 def _quantization_config(args):
     if not (args.load_in_4bit or args.load_in_8bit):
         return None
@@ -833,7 +826,7 @@ def _run(args):
     config = FitConfig(**config_fields, progress=not args.no_progress, merge_lora=not args.keep_adapters)
     # ---- everything that can be checked before loading weights --------------------------------------------------
     prepare_output_dir(args.out, args.overwrite)
-    folder_config = _read_folder_config(args.model)
+    folder_config = read_config(args.model, "--model")
     exit_layers = None
     if args.exit_layers:
         try:
