@@ -695,11 +695,12 @@ def machine_info():
 def run_benchmark(ee_model, plain_model, prompts, batch_sizes=(1, 8), new_tokens=128, repeats=3, sweep=True,
                   forced=True, calibrated=True, disabled=True, max_batches=2, sweep_grid=None, sweep_batch_sizes=None,
                   forced_profiles=None, forced_modes=FORCED_MODES, profile=True, cost_repeats=30, sweep_repeats=None,
-                  log=print):
+                  main_repeats=None, log=print):
     """The whole benchmark; returns the report dict (see `format_table`, `plot_frontier`, `plot_histogram`).
 
     max_batches: batches per batch size, an int or one per batch size. sweep_repeats: repeats of the sweep (default
-    `repeats`)."""
+    `repeats`); main_repeats: repeats of the calibrated and exits-disabled runs, whose targets sit within a few
+    percent of 1.0x (default `2 * repeats`)."""
     device = ee_model.device
     prompt_length = len(prompts[0]["ids"])
     report = {"machine": machine_info(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -730,7 +731,7 @@ def run_benchmark(ee_model, plain_model, prompts, batch_sizes=(1, 8), new_tokens
             main_configs.append(calibrated_config(ee_model))
         if disabled:
             main_configs.append({"name": "exits disabled", "kind": "disabled", "exit_kwargs": {"early_exit": False}})
-        groups = [(main_configs, repeats)]
+        groups = [(main_configs, main_repeats or 2 * repeats)]
         if forced:
             groups.append((forced_configs(forced_profiles, forced_modes, batch_size), repeats))
         if sweep and (sweep_batch_sizes is None or batch_size in sweep_batch_sizes):
@@ -1053,8 +1054,10 @@ def main(argv=None):
                            sweep_batch_sizes=args.sweep_batch_sizes, forced_profiles=profiles,
                            profile=args.profile, cost_repeats=10 if args.quick else 30,
                            sweep_repeats=args.sweep_repeats)
-    report["command"] = "ee-transformers bench " + " ".join(shlex.quote(a) for a in
-                                                             (sys.argv[2:] if argv is None else argv))
+    home = str(Path.home())
+    report["command"] = "ee-transformers bench " + " ".join(  # no machine-specific home folder in the record
+        "~" + a[len(home):] if a.startswith(home + os.sep) else shlex.quote(a)
+        for a in (sys.argv[2:] if argv is None else argv))
     report["model"]["path"] = Path(args.model).name
     report["wall_seconds"] = time.perf_counter() - start
     paths = write_outputs(report, args.out)

@@ -27,19 +27,35 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def _median_ms(fn, device, repeats, after=None):
-    """Median wall time of `fn()` in ms over `repeats` calls (after two warm-up calls); `after()` runs untimed."""
-    times = []
-    for i in range(repeats + 2):
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        if i >= 2:
-            times.append((time.perf_counter() - start) * 1e3)
-        if after is not None:
-            after()
-    return statistics.median(times)
+def _time_round_robin(pieces, device, repeats, warmup=2):
+    """Median ms of each piece, timed in turn (one call of each per round), so that a slow spell of a shared machine
+    hits every piece alike instead of one. pieces: {name: (fn, after, every)}: `after()` runs untimed after each
+    call; a piece with `every=k` is timed on every k-th round only (the expensive prefill)."""
+    times = {name: [] for name in pieces}
+    for i in range(warmup + repeats):
+        for name, (fn, after, every) in pieces.items():
+            if i >= warmup and (i - warmup) % every:
+                continue
+            _sync(device)
+            start = time.perf_counter()
+            fn()
+            _sync(device)
+            if i >= warmup:
+                times[name].append((time.perf_counter() - start) * 1e3)
+            if after is not None:
+                after()
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def _cycle(values):
+    """A function returning the next of `values` on every call, round and round."""
+    state = {"i": -1}
+
+    def next_value():
+        state["i"] += 1
+        return values[state["i"] % len(values)]
+
+    return next_value
 
 
 @torch.no_grad()
@@ -49,10 +65,6 @@ def _measure_rows(model, rows, prompt_length, context, repeats, seed):
     num_layers = config.num_hidden_layers
     generator = torch.Generator().manual_seed(seed)
     prompt = torch.randint(3, config.vocab_size, (rows, prompt_length), generator=generator).to(device)
-    out = {"prefill": _median_ms(  # the prompt through every layer plus the final head at its last position
-        lambda: model.lm_head(decoder.norm(
-            decoder(input_ids=prompt, cache=DynamicCache(config=config), use_cache=True).last_hidden_state[:, -1])),
-        device, max(3, repeats // 10))}
     ids = torch.randint(3, config.vocab_size, (rows, context), generator=generator).to(device)
     cache = DynamicCache(config=config)
     decoder(input_ids=ids, cache=cache, use_cache=True)  # a real context's K/V behind the timed step
@@ -64,49 +76,51 @@ def _measure_rows(model, rows, prompt_length, context, repeats, seed):
         masks = model.family.build_masks(config, h, None, cache, position_ids)
         return h, position_ids, decoder.rotary_emb(h, position_ids), masks
 
-    for q, name in ((1, "layer"), (2, "layer_q2")):
+    def layer_piece(q):
+        """One decoder layer step with q new tokens per row (layers taken in turn); its K/V are cropped off after,
+        so every call sees the same `context`-token cache."""
         h, position_ids, pos_emb, masks = step_inputs(q)
-        order = iter(range(10**9))
-        current = {}
+        next_layer, current = _cycle(list(range(num_layers))), {}
 
-        def run_layer():
-            j = next(order) % num_layers
-            current["j"] = j
+        def run():
+            j = current["j"] = next_layer()
             decoder.layers[j](h, attention_mask=masks[model.family.layer_type(config, j)],
                               position_embeddings=pos_emb, position_ids=position_ids, cache=cache, use_cache=True)
 
-        def restore():  # drop the timed token's K/V so every call sees the same context
-            cache.layers[current["j"]].crop(-q)
+        return run, lambda: cache.layers[current["j"]].crop(-q), 1
 
-        out[name] = _median_ms(run_layer, device, max(repeats, num_layers), after=restore)
-    # deferred KV: each token that skipped a layer rides along as one more query of a later step at that layer
-    out["deferred_extra"] = max(out.pop("layer_q2") - out["layer"], 0.0)
-
-    h, position_ids, pos_emb, _ = step_inputs(1)
+    h, _, pos_emb, _ = step_inputs(1)
     last = h[:, -1]  # (rows, D)
     exit_index = len(config.exit_layers) - 1
-    out["head_check"] = _median_ms(  # what a logit criterion pays per check: exit head, LM head, softmax, decision
-        lambda: model.exit_logits_from_hidden(exit_index, last).float().softmax(-1).max(-1).values.ge(0.5).nonzero(),
-        device, repeats)
-    out["head"] = _median_ms(lambda: model.exit_logits_from_hidden(exit_index, last), device, repeats)
-    out["final_head"] = _median_ms(lambda: model.lm_head(decoder.norm(last)), device, repeats)
     targets = torch.zeros(rows, dtype=torch.long, device=device)
     index = torch.arange(rows, device=device)
-    out["decision"] = _median_ms(lambda: (targets.index_select(0, index) <= 1).nonzero(), device, repeats)
-    out["cosine_check"] = _median_ms(
-        lambda: nn.functional.cosine_similarity(last.float(), last.float(), dim=-1).ge(0.9).nonzero(), device, repeats)
-    if getattr(model, "confidence_heads", None) is not None:
-        conf = model.confidence_heads[exit_index]
-        out["learned_check"] = _median_ms(
-            lambda: conf(model.exit_heads[exit_index](last)).ge(0.5).nonzero(), device, repeats)
-    else:
-        out["learned_check"] = out["cosine_check"]
-    skipped = list(range(max(config.exit_layers or [0]) + 1, num_layers)) or [num_layers - 1]
-    states = h  # (rows, 1, D)
-    order = iter(range(10**9))
-    out["backfill"] = _median_ms(  # one skipped layer's K/V for the exited rows (input norm, k/v proj, rotary)
-        lambda: model._backfill_kv(skipped[next(order) % len(skipped)], states, pos_emb), device,
-        max(repeats, len(skipped)))
+    next_skipped = _cycle(list(range(1, num_layers)))
+    confidence = getattr(model, "confidence_heads", None)
+    pieces = {
+        # the prompt through every layer, plus the final head at its last position
+        "prefill": (lambda: model.lm_head(decoder.norm(decoder(input_ids=prompt, cache=DynamicCache(config=config),
+                                                               use_cache=True).last_hidden_state[:, -1])),
+                    None, 10),
+        "layer": layer_piece(1),
+        # deferred KV: a token that skipped a layer rides along as one more query of a later step at that layer
+        "layer_q2": layer_piece(2),
+        # what a logit criterion pays per check: exit head, LM head, softmax, the decision (a host sync)
+        "head_check": (lambda: model.exit_logits_from_hidden(exit_index, last).float().softmax(-1).max(-1)
+                       .values.ge(0.5).nonzero(), None, 1),
+        "head": (lambda: model.exit_logits_from_hidden(exit_index, last), None, 1),
+        "final_head": (lambda: model.lm_head(decoder.norm(last)), None, 1),
+        "decision": (lambda: (targets.index_select(0, index) <= 1).nonzero(), None, 1),
+        "cosine_check": (lambda: nn.functional.cosine_similarity(last.float(), last.float(), dim=-1).ge(0.9)
+                         .nonzero(), None, 1),
+        # one skipped layer's K/V for the exited rows: input norm, K/V projections, rotary
+        "backfill": (lambda: model._backfill_kv(next_skipped(), h, pos_emb), None, 1),
+    }
+    if confidence is not None:
+        pieces["learned_check"] = (lambda: confidence[exit_index](model.exit_heads[exit_index](last)).ge(0.5)
+                                   .nonzero(), None, 1)
+    out = _time_round_robin(pieces, device, max(repeats, num_layers))
+    out["deferred_extra"] = max(out.pop("layer_q2") - out["layer"], 0.0)
+    out.setdefault("learned_check", out["cosine_check"])
     return out
 
 
