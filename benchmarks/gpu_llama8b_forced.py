@@ -8,11 +8,15 @@ as real exits, so what is measured is the implementation: realised speed-up agai
 cost model (layer step, head, backfill), at batch 1/8/32/64, for both policies and both KV modes, and the overhead of
 the early-exit class with exits disabled. Plain `LlamaForCausalLM.generate` runs on the very same modules.
 
-    python benchmarks/gpu_llama8b_forced.py                       # the GPU run (about 2-4 min per batch size)
-    python benchmarks/gpu_llama8b_forced.py --new-tokens 64 --repeats 2 --batch-sizes 1,8,32,64   # a shorter one
-    python benchmarks/gpu_llama8b_forced.py --tiny                # CPU smoke run of the same code (seconds)
+    python benchmarks/gpu_llama8b_forced.py                            # the full GPU run: batch 1, 8, 32, 64
+    python benchmarks/gpu_llama8b_forced.py --batch-sizes 1,8 --new-tokens 64 --repeats 2   # a shorter one
+    python benchmarks/gpu_llama8b_forced.py --tiny                     # CPU smoke run of the same code
 
-Results (JSON, markdown table) are written after every batch size, so a run cut short keeps what it finished.
+Each batch size runs plain, c1, plain, c2, ... (13 configurations at batch > 1, 9 at batch 1) per repeat, so one
+batch size takes roughly 27 x repeats generate calls plus the cost model and profiles; where one command may only run
+for a few minutes, run the batch sizes in separate commands (`--batch-sizes 1`, then `--batch-sizes 8`, ...: each
+writes its own `--out`). Results (JSON, markdown table) are written after every batch size, so a run cut short keeps
+what it finished. Nothing from this script is in BENCHMARKS.md until it has actually been run on a GPU.
 """
 
 import argparse
@@ -95,7 +99,7 @@ def main(argv=None):
     for batch_size in batch_sizes:
         report = bench.run_benchmark(ee_model, plain_model, prompts, [batch_size], new_tokens, repeats, sweep=False,
                                      forced=True, calibrated=False, disabled=True, max_batches=1,
-                                     forced_profiles=profiles, profile=not args.no_profile,
+                                     forced_profiles=profiles, profile=not args.no_profile, main_repeats=repeats,
                                      log=lambda m: print(m, flush=True))
         if merged is None:
             merged = report
