@@ -416,6 +416,9 @@ def compare_many(ee_model, plain_model, batches, new_tokens, configs, repeats=3,
                 _timed_generate(ee_model, batch, min(new_tokens, 3), _generate_kwargs(ee_model, config))
     per = [defaultdict(list) for _ in configs]
     plain_ms = []
+    # one set of generate arguments per configuration for the whole comparison: a forced profile's stratified draws
+    # run on across its runs, so together they follow the profile's shares
+    config_kwargs = [_generate_kwargs(ee_model, config) for config in configs]
     for r in range(repeats):
         for b, batch in enumerate(batches):
             # plain, c1, plain, c2, ..., ck, plain: each configuration sits between two plain runs, so a slow
@@ -428,8 +431,7 @@ def compare_many(ee_model, plain_model, batches, new_tokens, configs, repeats=3,
             plain_out = SimpleNamespace(sequences=plain_out.sequences.cpu())
             plain_runs.append((_decode_ms(seconds, prefill, steps), 1e3 * seconds))
             for k in order:
-                kwargs = _generate_kwargs(ee_model, configs[k])
-                seconds, prefill, steps, out = _timed_generate(ee_model, batch, new_tokens, kwargs)
+                seconds, prefill, steps, out = _timed_generate(ee_model, batch, new_tokens, config_kwargs[k])
                 out = SimpleNamespace(sequences=out.sequences.cpu(), exit_layers=out.exit_layers.cpu())  # no cache
                 before = plain_runs[-1]
                 seconds_p, prefill_p, steps_p, _ = _timed_generate(plain_model, batch, new_tokens, {})
@@ -446,7 +448,7 @@ def compare_many(ee_model, plain_model, batches, new_tokens, configs, repeats=3,
                 record["e2e_ratio"].append(plain_total_ms / ee_total_ms)
                 record["ee_ms"].append(ee_step_ms)
                 record["exit_layers"].append(out.exit_layers.cpu())
-                settings = resolve_exit_settings(ee_model.config, **_generate_kwargs(ee_model, config))
+                settings = resolve_exit_settings(ee_model.config, **config_kwargs[k])
                 ideal = _ideal(settings, out.exit_layers.cpu(), costs)
                 record["ideal"].append(ideal)
                 record["realised_over_ideal"].append(plain_step_ms / ee_step_ms / ideal if ideal else math.nan)
@@ -890,8 +892,9 @@ def plot_frontier(results, path):
             ax.plot([r["agreement"]["share"] for r in frontier], [r["speedup"]["median"] for r in frontier], "k--",
                     lw=1, label="frontier")
         ax.axhline(1.0, color="gray", lw=0.8)
-        for agree, speed in TARGETS["frontier"]:
-            ax.plot([agree], [speed], marker="x", color="red", markersize=9)
+        for i, (agree, speed) in enumerate(TARGETS["frontier"]):
+            ax.plot([agree], [speed], marker="x", color="red", markersize=9, linestyle="none",
+                    label="targets" if i == 0 else None)
         ax.set_xlabel("greedy agreement with full depth")
         ax.set_ylabel("speed-up vs plain generate")
         ax.set_title(f"batch {batch_size}" if batch_size else "no sweep results")
