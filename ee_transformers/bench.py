@@ -89,6 +89,8 @@ SWEEP_FULL = {
     "learned": [0.5, 0.7, 0.9],
     "patience": [2, 3],  # stable-token exits: the argmax unchanged over k consecutive checked exits
 }
+SWEEP_MEDIUM = {"max_prob": [0.8, 0.9, 0.97], "margin": [0.8, 0.95], "entropy": [0.9], "cosine": [0.98],
+                "learned": [0.5, 0.8], "patience": [2]}
 SWEEP_SMALL = {"max_prob": [0.9], "margin": [0.8], "entropy": [0.85], "cosine": [0.98], "learned": [0.7],
                "patience": [2]}
 
@@ -629,10 +631,13 @@ def profile_step(model, batch, new_tokens, exit_kwargs=None, name=None):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def calibrated_config(model):
-    """The calibrated settings stored in the model's config, or None when it has none."""
+def calibrated_config(model, always=False):
+    """generate() with no exit arguments: the calibrated settings stored in the model's config. None when the config
+    has none, unless `always` (a calibrated folder whose calibration left exits off: then it decodes at full depth)."""
     if resolve_exit_settings(model.config) is None:
-        return None
+        if not always:
+            return None
+        return {"name": "calibrated (exits off)", "kind": "calibrated", "exit_kwargs": {}}
     return {"name": "calibrated", "kind": "calibrated", "exit_kwargs": {}}
 
 
@@ -715,8 +720,10 @@ def run_benchmark(ee_model, plain_model, prompts, batch_sizes=(1, 8), new_tokens
                            "domains": sorted({p["domain"] for p in prompts})},
               "costs": {}, "results": [], "profiles": [], "notes": []}
     if not report["model"]["calibrated"]:
-        report["notes"].append("The model has no calibrated exit settings in its config: the calibrated target is "
-                               "not measured.")
+        report["notes"].append(
+            "The model's calibration left exits off (its config holds no exit settings): 'calibrated' decodes at full "
+            "depth." if calibrated == "always" else
+            "The model has no calibrated exit settings in its config: the calibrated target is not measured.")
     per_size = list(max_batches) if isinstance(max_batches, (list, tuple)) else [max_batches] * len(batch_sizes)
     for batch_size, n_batches in zip(batch_sizes, per_size + per_size[-1:] * len(batch_sizes)):
         batches = make_batches(prompts, batch_size, n_batches, device=device)
@@ -729,8 +736,8 @@ def run_benchmark(ee_model, plain_model, prompts, batch_sizes=(1, 8), new_tokens
             f"{le['head_check']:.2f}, head {le['head']:.2f}, final head {le['final_head']:.2f}, backfill "
             f"{le['backfill']:.3f}, deferred extra {le['deferred_extra']:.3f}")
         main_configs = []
-        if calibrated and calibrated_config(ee_model) is not None:
-            main_configs.append(calibrated_config(ee_model))
+        if calibrated and calibrated_config(ee_model, calibrated == "always") is not None:
+            main_configs.append(calibrated_config(ee_model, calibrated == "always"))
         if disabled:
             main_configs.append({"name": "exits disabled", "kind": "disabled", "exit_kwargs": {"early_exit": False}})
         groups = [(main_configs, main_repeats or 2 * repeats)]
@@ -1008,7 +1015,7 @@ def build_parser():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--sweep-repeats", type=int, default=None, help="repeats of the sweep (default --repeats)")
-    parser.add_argument("--sweep-grid", choices=["small", "full"], default=None,
+    parser.add_argument("--sweep-grid", choices=["small", "medium", "full"], default=None,
                         help="thresholds per criterion (default full; small with --quick)")
     parser.add_argument("--sweep-batch-sizes", type=_int_list, default=None,
                         help="run the sweep at these batch sizes only (default: all)")
@@ -1035,7 +1042,7 @@ def main(argv=None):
         for name, value in defaults.items():
             if getattr(args, name) == parser.get_default(name):
                 setattr(args, name, value)
-    sweep_grid = {"small": SWEEP_SMALL, "full": SWEEP_FULL}[args.sweep_grid or ("small" if args.quick else "full")]
+    sweep_grid = {"small": SWEEP_SMALL, "medium": SWEEP_MEDIUM, "full": SWEEP_FULL}[args.sweep_grid or ("small" if args.quick else "full")]
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -1051,9 +1058,12 @@ def main(argv=None):
     else:
         prompts = heldout_prompts(tokenizer, args.prompts_from, args.num_prompts, args.prompt_tokens, args.seed)
     profiles = list(FORCED_GRID) if args.forced_grid == "full" else list(FORCED_PROFILES)
+    calibration_file = Path(args.model) / "calibration.json"
+    calibration = json.loads(calibration_file.read_text()) if calibration_file.is_file() else None
     start = time.perf_counter()
     report = run_benchmark(ee_model, plain_model, prompts, args.batch_sizes, args.new_tokens, args.repeats,
-                           sweep=args.sweep, forced=args.forced, max_batches=args.max_batches, sweep_grid=sweep_grid,
+                           sweep=args.sweep, forced=args.forced, calibrated="always" if calibration else True,
+                           max_batches=args.max_batches, sweep_grid=sweep_grid,
                            sweep_batch_sizes=args.sweep_batch_sizes, forced_profiles=profiles,
                            profile=args.profile, cost_repeats=10 if args.quick else 30,
                            sweep_repeats=args.sweep_repeats)
@@ -1062,6 +1072,9 @@ def main(argv=None):
         "~" + a[len(home):] if a.startswith(home + os.sep) else shlex.quote(a)
         for a in (sys.argv[2:] if argv is None else argv))
     report["model"]["path"] = Path(args.model).name
+    if calibration is not None:
+        report["model"]["calibration"] = {k: calibration.get(k) for k in ("criterion", "policy", "target_agreement",
+                                                                          "chosen", "heldout_B", "message")}
     report["wall_seconds"] = time.perf_counter() - start
     paths = write_outputs(report, args.out)
     print(format_table(report))
