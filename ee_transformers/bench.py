@@ -44,9 +44,12 @@ from .modeling_early_exit import EarlyExitMixin
 
 __all__ = [
     "FORCED_PROFILES",
+    "HELDOUT_REGIONS",
+    "agreement",
     "compare",
     "compare_many",
     "evaluate_targets",
+    "forced_configs",
     "forced_profile",
     "format_table",
     "heldout_prompts",
@@ -58,7 +61,10 @@ __all__ = [
     "plot_frontier",
     "plot_histogram",
     "profile_step",
+    "random_prompts",
     "run_benchmark",
+    "sweep_configs",
+    "write_outputs",
 ]
 
 # Held-out regions of the default text (fractions of each file, by characters): text neither fitting (Austen 1-5)
