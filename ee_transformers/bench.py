@@ -774,8 +774,10 @@ def run_benchmark(ee_model, plain_model, prompts, batch_sizes=(1, 8), new_tokens
 
 
 def frontier_points(results, batch_size):
-    """Sweep (and calibrated) results at `batch_size` and the Pareto frontier (agreement up, speed-up up)."""
-    points = [r for r in results if r["batch_size"] == batch_size and r["kind"] in ("sweep", "calibrated")]
+    """Sweep (and calibrated) results at `batch_size` and the Pareto frontier (agreement up, speed-up up). A
+    calibrated run with exits off is full depth, not a point of the early-exit frontier, and is left out."""
+    points = [r for r in results if r["batch_size"] == batch_size and (
+        r["kind"] == "sweep" or (r["kind"] == "calibrated" and r["criterion"] is not None))]
     frontier, best = [], -math.inf
     for r in sorted(points, key=lambda r: (-r["agreement"]["share"], -r["speedup"]["median"])):
         if r["speedup"]["median"] > best:
@@ -885,7 +887,7 @@ def plot_frontier(results, path):
     """Speed-up (median, min-max bars) versus agreement of the sweep, one panel per batch size, frontier drawn."""
     plt = _pyplot()
     results = results["results"] if isinstance(results, dict) else results
-    sizes = sorted({r["batch_size"] for r in results if r["kind"] in ("sweep", "calibrated")}) or [None]
+    sizes = sorted({r["batch_size"] for r in results if frontier_points(results, r["batch_size"])[0]}) or [None]
     fig, axes = plt.subplots(1, len(sizes), figsize=(5.5 * len(sizes), 4.2), squeeze=False)
     colors = {"max_prob": "C0", "margin": "C1", "entropy": "C2", "cosine": "C3", "learned": "C4", "stable": "C5"}
     for ax, batch_size in zip(axes[0], sizes):
