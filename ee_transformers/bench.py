@@ -1,10 +1,12 @@
 """`ee-transformers bench`: early-exit generate against plain transformers generate on the same weights.
 
-Everything runs in one process, interleaved: for every repeat and every batch, plain `generate` at full depth and each
-early-exit configuration run back to back (the order flips every repeat to cancel drift), and each early-exit run is
-compared with the plain run of its own round. Reported per configuration:
+Everything runs in one process, interleaved: for every repeat and every batch the runs go plain, c1, plain, c2, ...,
+plain (plain = the family's `...ForCausalLM.generate` at full depth on the very same modules; the configurations'
+order flips every repeat), and each early-exit run is compared with the mean of its two neighbouring plain runs, so
+drift of a shared machine cancels. Reported per configuration:
 
-* speed-up: median (min, max) over the paired ratios of milliseconds per decoding step;
+* speed-up: median (min, max) over the paired ratios of milliseconds per decoding step (the prefill, identical in
+  both, is timed apart and left out; `speedup_end_to_end` keeps it);
 * greedy agreement with full depth: share of identical tokens and tokens until the first divergence;
 * where tokens exited: mean exit layer, histogram;
 * the ideal speed-up of those exits under the measured cost model (`costs.py`), and realised / ideal.
@@ -13,8 +15,11 @@ Configurations: the model's calibrated settings (from its config), exits disable
 criteria / thresholds / policies (the speed-versus-agreement frontier), and forced exit profiles (exit layers drawn
 from a given profile, decoded through the same code path: the implementation-efficiency half).
 
-Python API: `load_models`, `heldout_prompts`, `compare`, `compare_many`, `measure_costs`, `forced_profile`,
-`profile_step`, `run_benchmark`, `plot_frontier`, `plot_histogram`, `format_table`, `main`.
+Python API: `load_models`, `plain_twin`, `heldout_prompts`, `compare`, `compare_many`, `measure_costs`,
+`forced_profile`, `profile_step`, `run_benchmark`, `plot_frontier`, `plot_histogram`, `format_table`, `main`.
+
+    ee-transformers bench --model runs/smollm2-135m-ee --batch-sizes 1,8 --new-tokens 128 --out bench-out
+    ee-transformers bench --model PLAIN_FOLDER --exit-layers 7,15,23,26 --exit-head norm --quick
 """
 
 import argparse
