@@ -75,6 +75,32 @@ class _StepState:
         self.forced = None if forced is None else forced(batch_size, device).to(device)
 
 
+class _Decided:
+    """The rows decided in one step: each group's layer and logits, or its LM-head input when no logits were needed to
+    decide; those groups share one LM-head call when the step ends (one weight read instead of one per exit)."""
+
+    def __init__(self, batch_size):
+        self.batch_size, self.groups = batch_size, []
+
+    def add(self, rows, layer, logits=None, head_input=None):
+        self.groups.append((rows, layer, logits, head_input))
+
+    def finish(self, lm_head):
+        """-> logits `(batch, vocab)` and exit layers `(batch,)`."""
+        waiting = [g for g in self.groups if g[2] is None]
+        if waiting:
+            computed = lm_head(torch.cat([g[3] for g in waiting])).split([g[0].numel() for g in waiting])
+            it = iter(computed)
+            self.groups = [(r, l, next(it) if x is None else x, None) for r, l, x, _ in self.groups]
+        first = self.groups[0][2]
+        logits = first.new_zeros(self.batch_size, first.shape[-1])
+        exit_layers = torch.full((self.batch_size,), -1, dtype=torch.long, device=first.device)
+        for rows, layer, group_logits, _ in self.groups:
+            logits.index_copy_(0, rows, group_logits)
+            exit_layers.index_fill_(0, rows, layer)
+        return logits, exit_layers
+
+
 class EarlyExitMixin:
     """The early-exit core shared by every family. Mixed in before the family's `...ForCausalLM`."""
 
@@ -276,13 +302,18 @@ class EarlyExitMixin:
             confident = confident.all().expand_as(confident)
         return confident, logits
 
-    def _head_logits(self, layer, h_last, logits, idx):
-        """Logits of the rows `idx` exiting at `layer`: reused from the check when it computed them."""
+    def _decide(self, decided, layer, h_last, logits, idx, rows):
+        """Records rows `rows[idx]` as decided at `layer`: with the check's logits when it computed them, else with the
+        exit head's (or final norm's) output, for the LM head at the end of the step."""
         if logits is not None:
-            return logits.index_select(0, idx)
+            decided.add(rows.index_select(0, idx), layer, logits=logits.index_select(0, idx))
+            return
+        h = h_last.index_select(0, idx)
         if layer == self.config.num_hidden_layers - 1:
-            return self.lm_head(self.model.norm(h_last.index_select(0, idx)))
-        return self.exit_logits_from_hidden(self.config.exit_layers.index(layer), h_last.index_select(0, idx))
+            head_input = self.model.norm(h)
+        else:
+            head_input = self.exit_heads[self.config.exit_layers.index(layer)](h)
+        decided.add(rows.index_select(0, idx), layer, head_input=head_input)
 
     def _full_depth_step(self, h, attention_mask, position_ids, cache, settings, state):
         """Prefill: every layer runs for every position (the prompt's K/V are complete); the token of each row comes
@@ -297,30 +328,21 @@ class EarlyExitMixin:
                       position_ids=position_ids, cache=cache, use_cache=True)
             if j in settings.thresholds:
                 at_exit[j] = (h[:, -1], h_in[:, -1])
-        batch = h.shape[0]
-        rows = torch.arange(batch, device=h.device)
-        logits_out = exit_layers = None
+        rows = torch.arange(h.shape[0], device=h.device)
+        decided = _Decided(h.shape[0])
         for j in settings.check_layers:
             h_out, h_in = (t.index_select(0, rows) for t in at_exit[j])
             confident, logits = self._check(settings, j, h_out, h_in, rows, state)
             idx = confident.nonzero().squeeze(1)
             if idx.numel():
-                logits_out, exit_layers = self._place(logits_out, exit_layers, rows.index_select(0, idx),
-                                                      self._head_logits(j, h_out, logits, idx), j, batch)
+                self._decide(decided, j, h_out, logits, idx, rows)
                 rows = rows.index_select(0, (~confident).nonzero().squeeze(1))
                 if rows.numel() == 0:
-                    return logits_out, exit_layers
-        final = self.lm_head(decoder.norm(h[:, -1].index_select(0, rows)))
-        return self._place(logits_out, exit_layers, rows, final, config.num_hidden_layers - 1, batch)
-
-    @staticmethod
-    def _place(logits_out, exit_layers, rows, logits, layer, batch):
-        if logits_out is None:
-            logits_out = logits.new_zeros(batch, logits.shape[-1])
-            exit_layers = torch.full((batch,), -1, dtype=torch.long, device=logits.device)
-        logits_out.index_copy_(0, rows, logits)
-        exit_layers.index_fill_(0, rows, layer)
-        return logits_out, exit_layers
+                    return decided.finish(self.lm_head)
+        last = h[:, -1].index_select(0, rows)
+        self._decide(decided, config.num_hidden_layers - 1, last, None, torch.arange(rows.numel(), device=h.device),
+                     rows)
+        return decided.finish(self.lm_head)
 
     def _backfill_kv(self, layer_idx, states, position_embeddings):
         """K/V of layer `layer_idx` for exit states `(n, q, D)`: its input norm, K/V projections, k-norm, rotary."""
@@ -343,7 +365,7 @@ class EarlyExitMixin:
         rows = torch.arange(batch, device=h.device)  # running rows (batch indices)
         cur_pos, cur_emb, cur_masks = position_ids, pos_emb, masks
         exited_rows, exited_states = [], []
-        logits_out = exit_layers = None
+        decided = _Decided(batch)
         done = {}  # the exited rows, their exit states and rotary embeddings (row policy)
         layer_cache = cache  # what the layers see: the cache, or a view of it for the running rows
 
@@ -369,17 +391,16 @@ class EarlyExitMixin:
             idx = confident.nonzero().squeeze(1)  # the one host sync of this check
             if idx.numel() == 0:
                 continue
-            logits_out, exit_layers = self._place(logits_out, exit_layers, rows.index_select(0, idx),
-                                                  self._head_logits(j, h[:, -1], logits, idx), j, batch)
+            self._decide(decided, j, h[:, -1], logits, idx, rows)
             if idx.numel() == rows.numel():  # every running row has exited at j
                 if deferred:
                     cache.add_pending(j + 1, h, cur_pos)
-                    return logits_out, exit_layers
+                    return decided.finish(self.lm_head)
                 done_rows, done_states = torch.cat(exited_rows + [rows]), torch.cat(exited_states + [h])
                 states = done_states.index_select(0, torch.argsort(done_rows))  # back to batch order
                 for skipped in range(j + 1, num_layers):
                     cache.update(*self._backfill_kv(skipped, states, pos_emb), skipped)
-                return logits_out, exit_layers
+                return decided.finish(self.lm_head)
             # some rows exit: the rest go on as a smaller batch, through a view of the cache that backfills the others
             keep = (~confident).nonzero().squeeze(1)
             exited_rows.append(rows.index_select(0, idx))
@@ -392,8 +413,8 @@ class EarlyExitMixin:
             cur_pos = _rows(position_ids, rows, batch)
             layer_cache = RowSubsetCache(cache, rows, fill)
 
-        final = self.lm_head(decoder.norm(h[:, -1]))
-        return self._place(logits_out, exit_layers, rows, final, num_layers - 1, batch)
+        self._decide(decided, num_layers - 1, h[:, -1], None, torch.arange(rows.numel(), device=h.device), rows)
+        return decided.finish(self.lm_head)
 
     # generate -----------------------------------------------------------------------------------------------------
     def generate(self, *args, **kwargs):
