@@ -607,7 +607,7 @@ class _StepProfiler:
         self.handles.append(model.lm_head.register_forward_hook(head_post))
         if isinstance(model, EarlyExitMixin):
             self._wrap("_check", "head_checks")
-            self._wrap("_head_logits", "exit_heads")
+            self._wrap("_decide", "exit_heads")  # exit heads (norm/adapter); the LM head of the step is "final_head"
             self._wrap("_backfill_kv", "backfill")
         return self
 
