@@ -1033,6 +1033,9 @@ def build_parser():
     parser.add_argument("--sweep-batch-sizes", type=_int_list, default=None,
                         help="run the sweep at these batch sizes only (default: all)")
     parser.add_argument("--forced", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--forced-modes", default=None,
+                        help="policy/kv pairs, e.g. row/immediate,batch/deferred (default: batch/immediate, "
+                             "batch/deferred, row/immediate)")
     parser.add_argument("--forced-grid", choices=["profiles", "full"], default="profiles",
                         help="profiles: 25%%@1/4, 50%%@1/2, 75%%@3/4, mixed; full: every share at every depth")
     parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
@@ -1071,12 +1074,17 @@ def main(argv=None):
     else:
         prompts = heldout_prompts(tokenizer, args.prompts_from, args.num_prompts, args.prompt_tokens, args.seed)
     profiles = list(FORCED_GRID) if args.forced_grid == "full" else list(FORCED_PROFILES)
+    forced_modes = FORCED_MODES
+    if args.forced_modes:
+        forced_modes = [tuple(m.split("/")) for m in args.forced_modes.split(",")]
+        if any(len(m) != 2 or m not in FORCED_MODES for m in forced_modes):
+            parser.error(f"--forced-modes must be policy/kv pairs among {['/'.join(m) for m in FORCED_MODES]}")
     calibration_file = Path(args.model) / "calibration.json"
     calibration = json.loads(calibration_file.read_text()) if calibration_file.is_file() else None
     start = time.perf_counter()
     report = run_benchmark(ee_model, plain_model, prompts, args.batch_sizes, args.new_tokens, args.repeats,
                            sweep=args.sweep, forced=args.forced, calibrated="always" if calibration else True,
-                           max_batches=args.max_batches, sweep_grid=sweep_grid,
+                           max_batches=args.max_batches, sweep_grid=sweep_grid, forced_modes=forced_modes,
                            sweep_batch_sizes=args.sweep_batch_sizes, forced_profiles=profiles,
                            profile=args.profile, cost_repeats=10 if args.quick else 30,
                            sweep_repeats=args.sweep_repeats)

@@ -184,8 +184,9 @@ def step_cost(costs: dict, exits, check_layers, criterion: str, needs_logits: bo
     """ms of one decoding step whose rows exit at decoder layers `exits` (a list; num_layers-1 = full depth).
 
     A layer runs for the rows still going; each checked layer a row reaches costs one check for it (a logit criterion
-    computes its head there, reused at exit; other criteria pay the exit head once at exit); a row that stops at e
-    has its K/V backfilled for layers e+1.. (immediate) or rides along as an extra query there later (deferred).
+    computes its head there, reused at exit); a row that stops at e has its K/V backfilled for layers e+1..
+    (immediate) or rides along as an extra query there later (deferred). Rows whose decision computed no logits (full
+    depth, or a criterion without logits) share one LM-head call at the end of the step, as the runtime does.
     """
     num_layers = costs["num_layers"]
     last = num_layers - 1
@@ -203,22 +204,21 @@ def step_cost(costs: dict, exits, check_layers, criterion: str, needs_logits: bo
         if skipped:
             total += interp(costs, "deferred_extra" if kv == "deferred" else "backfill", skipped)
     exited_early = sum(e < last for e in exits)
-    if exited_early and not reuse_head:
-        total += interp(costs, "head", exited_early)
-    total += interp(costs, "final_head", sum(e == last for e in exits))
+    total += interp(costs, "final_head", sum(e == last for e in exits) + (0 if reuse_head else exited_early))
     return total
 
 
 def _prefill_extra(costs, exits, check_layers, criterion, needs_logits):
-    """What the early-exit prefill adds to a plain one: its checks, and its exit heads instead of the final head."""
+    """What the early-exit prefill adds to a plain one: its checks; rows whose check computed logits skip the final
+    head (the others share its one LM-head call)."""
     last = costs["num_layers"] - 1
     exits = [int(e) if e >= 0 else (min(check_layers) if check_layers else last) for e in exits]
     check_name = _check_cost_name(criterion, needs_logits)
     extra = sum(interp(costs, check_name, sum(e >= j for e in exits)) for j in check_layers if j != last)
-    exited_early = sum(e < last for e in exits)
-    if check_name != "head_check":
-        extra += interp(costs, "head", exited_early)
-    return extra - interp(costs, "final_head", exited_early)
+    if check_name == "head_check":
+        rows, full = len(exits), sum(e == last for e in exits)
+        extra += interp(costs, "final_head", full) - interp(costs, "final_head", rows)
+    return extra
 
 
 def ideal_speedup(costs: dict, exit_layers: torch.Tensor, check_layers, criterion: str, needs_logits: bool = False,

@@ -135,5 +135,5 @@ def test_instrumentation_leaves_the_models_as_they_were(ee_folder):
                                              "exit_check_layers": [1, 2], "exit_policy": "row"})
     assert prof["parts_ms"]["layers"] > 0
     for model in (ee, plain):
-        assert not {"forward", "_check", "_head_logits", "_backfill_kv"} & set(vars(model)), "a wrapper was left on"
+        assert not {"forward", "_check", "_decide", "_backfill_kv"} & set(vars(model)), "a wrapper was left on"
         assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()), "a hook was left on"
