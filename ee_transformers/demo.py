@@ -35,8 +35,12 @@ def build_parser():
     parser.add_argument("--exit-layers", default="15,23,26", help="comma-separated exit layers (of 0..29)")
     parser.add_argument("--adapter-rank", type=int, default=64)
     parser.add_argument("--steps", type=int, default=200, help="fitting steps (2 blocks of 256 tokens each)")
-    parser.add_argument("--criterion", default="max_prob",
-                        choices=["max_prob", "margin", "entropy", "cosine"])
+    parser.add_argument("--criterion", default="learned",
+                        choices=["learned", "max_prob", "margin", "entropy", "cosine"],
+                        help="learned (default): a confidence head decides, so a check costs almost nothing; the "
+                             "logit criteria pay an LM-head call (about 5 layer steps here) per check")
+    parser.add_argument("--confidence-steps", type=int, default=150,
+                        help="steps of the learned-confidence stage (0: skip it; then --criterion must not be learned)")
     parser.add_argument("--target-agreement", type=float, default=0.9)
     parser.add_argument("--policy", default="row", choices=["row", "batch"])
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -51,9 +55,13 @@ def build_parser():
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.criterion == "learned" and not args.confidence_steps:
+        parser.error("--criterion learned needs --confidence-steps > 0")
     if args.quick:
         args.steps, args.prompts, args.new_tokens, args.max_chars, args.batch_sizes = 10, 2, 16, 60_000, "1"
+        args.confidence_steps = min(args.confidence_steps, 10)
     if args.threads:
         torch.set_num_threads(args.threads)
     exit_layers = [int(x) for x in args.exit_layers.split(",")]
@@ -115,7 +123,8 @@ def main(argv=None):
 def _fit_and_calibrate(args, exit_layers, model_dir, novels, python_docs, out):
     from training.calibrate import apply_calibration, calibrate, calibration_card
     from training.data import tokenize_blocks
-    from training.fit_exit_heads import FitConfig, fit_exit_heads, save_model_folder, training_card
+    from training.fit_exit_heads import (FitConfig, fit_confidence_heads, fit_exit_heads, save_model_folder,
+                                         training_card)
 
     from . import assets
     from .convert import from_base
@@ -136,6 +145,12 @@ def _fit_and_calibrate(args, exit_layers, model_dir, novels, python_docs, out):
     result = fit_exit_heads(model, train, heldout, config)
     for layer, before, after in zip(exit_layers, result.agreement_before, result.agreement_after):
         print(f"   exit {layer:2d}: agreement with the final layer {before:.3f} -> {after:.3f}")
+    if args.confidence_steps:
+        print(f"== 3b. learned confidence heads ({args.confidence_steps} steps)")
+        confidence_config = FitConfig(steps=1, batch_size=2, confidence_steps=args.confidence_steps,
+                                      eval_blocks=8)
+        result.confidence = fit_confidence_heads(model, train, heldout, confidence_config)
+        print(f"   held-out accuracy per exit: {result.confidence['accuracy']}")
 
     print(f"== 4. calibrate ({args.criterion}, {args.policy} policy, target agreement {args.target_agreement})")
     calibration_texts = [_slice(novels[assets.AUSTEN_HELDOUT], CALIBRATION_REGIONS["austen"], args.max_chars // 2),
