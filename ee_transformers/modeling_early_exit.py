@@ -8,6 +8,7 @@ Part of the Hub runtime: imports only torch, transformers and its siblings (flat
 copies these files next to the weights and `trust_remote_code=True` loads them without this package.
 """
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -68,9 +69,11 @@ def _rows(t, rows, batch_size):
 class _StepState:
     """What one decoding step remembers across its exit checks (stable-token runs, forced targets)."""
 
-    def __init__(self, batch_size, device, unfinished, forced):
-        self.prev_argmax = torch.full((batch_size,), -1, dtype=torch.long, device=device)
-        self.run = torch.zeros(batch_size, dtype=torch.long, device=device)
+    def __init__(self, batch_size, device, unfinished, forced, patience):
+        self.prev_argmax = self.run = None
+        if patience:
+            self.prev_argmax = torch.full((batch_size,), -1, dtype=torch.long, device=device)
+            self.run = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.finished = None if unfinished is None else unfinished.to(device) == 0
         self.forced = None if forced is None else forced(batch_size, device).to(device)
 
@@ -257,7 +260,7 @@ class EarlyExitMixin:
         cache = EarlyExitCache.from_cache(cache)
         if position_ids is None:
             position_ids = (torch.arange(h.shape[1], device=h.device) + cache.get_seq_length()).unsqueeze(0)
-        state = _StepState(h.shape[0], h.device, unfinished, settings.forced)
+        state = _StepState(h.shape[0], h.device, unfinished, settings.forced, settings.patience)
         if h.shape[1] > 1 or cache.get_seq_length() == 0:
             logits, exit_layers = self._full_depth_step(h, attention_mask, position_ids, cache, settings, state)
         else:
@@ -267,17 +270,19 @@ class EarlyExitMixin:
 
     def _check(self, settings, layer, h_out, h_in, rows, state):
         """One exit check for the running rows. h_out / h_in: `(n, D)` states leaving / entering `layer` at the last
-        position; rows: `(n,)` their batch indices. Returns (a boolean `(n,)` exit decision, logits `(n, V)` or None)."""
+        position; rows: `(n,)` their batch indices. Returns (a boolean `(n,)` exit decision, logits `(n, V)` or None,
+        the exit head's output `(n, D)` or None): whatever the check computed, so `_decide` does not compute it again."""
         index = self.config.exit_layers.index(layer)
-        logits = self.exit_logits_from_hidden(index, h_out) if settings.needs_logits else None
         criterion = settings.criterion
+        logits = self.exit_logits_from_hidden(index, h_out) if settings.needs_logits else None
+        head_out = self.exit_heads[index](h_out) if criterion == "learned" else None
         if criterion == "forced":
             confident = state.forced.index_select(0, rows) <= layer
         else:
             if criterion == "cosine":
                 score = nn.functional.cosine_similarity(h_out.float(), h_in.float(), dim=-1)
             elif criterion == "learned":
-                score = self.confidence_heads[index](self.exit_heads[index](h_out))
+                score = self.confidence_heads[index](head_out)
             else:
                 probs = logits.float().softmax(-1)
                 if criterion == "max_prob":
@@ -287,7 +292,7 @@ class EarlyExitMixin:
                     score = top2[:, 0] - top2[:, 1]
                 else:  # entropy, as a confidence in [0, 1]
                     entropy = -(probs * torch.log(probs.clamp_min(1e-30))).sum(-1)
-                    score = 1.0 - entropy / torch.log(torch.tensor(float(probs.shape[-1])))
+                    score = 1.0 - entropy / math.log(probs.shape[-1])
             confident = score >= settings.thresholds[layer]
         if settings.patience:
             argmax = logits.argmax(-1)
@@ -300,20 +305,20 @@ class EarlyExitMixin:
             confident = confident | state.finished.index_select(0, rows)
         if settings.policy == "batch":
             confident = confident.all().expand_as(confident)
-        return confident, logits
+        return confident, logits, head_out
 
-    def _decide(self, decided, layer, h_last, logits, idx, rows):
+    def _decide(self, decided, layer, h_last, idx, rows, logits=None, head_out=None):
         """Records rows `rows[idx]` as decided at `layer`: with the check's logits when it computed them, else with the
-        exit head's (or final norm's) output, for the LM head at the end of the step."""
+        exit head's (or final norm's) output, for the one LM-head call at the end of the step."""
         if logits is not None:
             decided.add(rows.index_select(0, idx), layer, logits=logits.index_select(0, idx))
-            return
-        h = h_last.index_select(0, idx)
-        if layer == self.config.num_hidden_layers - 1:
-            head_input = self.model.norm(h)
+        elif head_out is not None:
+            decided.add(rows.index_select(0, idx), layer, head_input=head_out.index_select(0, idx))
+        elif layer == self.config.num_hidden_layers - 1:
+            decided.add(rows.index_select(0, idx), layer, head_input=self.model.norm(h_last.index_select(0, idx)))
         else:
-            head_input = self.exit_heads[self.config.exit_layers.index(layer)](h)
-        decided.add(rows.index_select(0, idx), layer, head_input=head_input)
+            head = self.exit_heads[self.config.exit_layers.index(layer)]
+            decided.add(rows.index_select(0, idx), layer, head_input=head(h_last.index_select(0, idx)))
 
     def _full_depth_step(self, h, attention_mask, position_ids, cache, settings, state):
         """Prefill: every layer runs for every position (the prompt's K/V are complete); the token of each row comes
@@ -332,16 +337,15 @@ class EarlyExitMixin:
         decided = _Decided(h.shape[0])
         for j in settings.check_layers:
             h_out, h_in = (t.index_select(0, rows) for t in at_exit[j])
-            confident, logits = self._check(settings, j, h_out, h_in, rows, state)
+            confident, logits, head_out = self._check(settings, j, h_out, h_in, rows, state)
             idx = confident.nonzero().squeeze(1)
             if idx.numel():
-                self._decide(decided, j, h_out, logits, idx, rows)
+                self._decide(decided, j, h_out, idx, rows, logits, head_out)
                 rows = rows.index_select(0, (~confident).nonzero().squeeze(1))
                 if rows.numel() == 0:
                     return decided.finish(self.lm_head)
         last = h[:, -1].index_select(0, rows)
-        self._decide(decided, config.num_hidden_layers - 1, last, None, torch.arange(rows.numel(), device=h.device),
-                     rows)
+        self._decide(decided, config.num_hidden_layers - 1, last, torch.arange(rows.numel(), device=h.device), rows)
         return decided.finish(self.lm_head)
 
     def _backfill_kv(self, layer_idx, states, position_embeddings):
@@ -387,11 +391,11 @@ class EarlyExitMixin:
                       position_ids=cur_pos, cache=layer_cache, use_cache=True)
             if j not in settings.thresholds or j == num_layers - 1:
                 continue
-            confident, logits = self._check(settings, j, h[:, -1], h_in[:, -1], rows, state)
+            confident, logits, head_out = self._check(settings, j, h[:, -1], h_in[:, -1], rows, state)
             idx = confident.nonzero().squeeze(1)  # the one host sync of this check
             if idx.numel() == 0:
                 continue
-            self._decide(decided, j, h[:, -1], logits, idx, rows)
+            self._decide(decided, j, h[:, -1], idx, rows, logits, head_out)
             if idx.numel() == rows.numel():  # every running row has exited at j
                 if deferred:
                     cache.add_pending(j + 1, h, cur_pos)
@@ -413,7 +417,7 @@ class EarlyExitMixin:
             cur_pos = _rows(position_ids, rows, batch)
             layer_cache = RowSubsetCache(cache, rows, fill)
 
-        self._decide(decided, num_layers - 1, h[:, -1], None, torch.arange(rows.numel(), device=h.device), rows)
+        self._decide(decided, num_layers - 1, h[:, -1], torch.arange(rows.numel(), device=h.device), rows)
         return decided.finish(self.lm_head)
 
     # generate -----------------------------------------------------------------------------------------------------
