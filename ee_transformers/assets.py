@@ -380,7 +380,7 @@ class _RReader:
 
     def _dispatch(self, flags: int) -> Any:
         rtype = flags & 0xFF
-        has_attr, has_tag = bool(flags & (1 << 9)), bool(flags & (1 << 10))
+        has_attr = bool(flags & (1 << 9))  # the tag bit (1 << 10) is read where pairlists need it
         if rtype == 254:  # NILVALUE_SXP
             return None
         if rtype in _SPECIALS:

@@ -25,6 +25,21 @@ SCORE_RANGES = {"max_prob": (0.0, 1.0), "margin": (0.0, 1.0), "entropy": (0.0, 1
 LOGIT_CRITERIA = ("max_prob", "margin", "entropy")
 
 
+def logit_score(logits: torch.Tensor, criterion: str) -> torch.Tensor:
+    """Confidence of a logit criterion: `(..., V)` logits -> `(...)` scores in [0, 1], higher = more confident.
+    The one definition used by decoding and by calibration."""
+    probs = logits.float().softmax(-1)
+    if criterion == "max_prob":
+        return probs.max(-1).values
+    if criterion == "margin":
+        top2 = probs.topk(2, dim=-1).values
+        return top2[..., 0] - top2[..., 1]
+    if criterion == "entropy":  # 1 - H / log(V)
+        entropy = -(probs * torch.log(probs.clamp_min(1e-30))).sum(-1)
+        return 1.0 - entropy / math.log(probs.shape[-1])
+    raise ValueError(f"`criterion` {criterion!r} is not a logit criterion: allowed values are {list(LOGIT_CRITERIA)}.")
+
+
 @dataclass
 class ExitSettings:
     """Resolved early-exit decoding settings (see `resolve_exit_settings`)."""
@@ -264,4 +279,4 @@ class ExitStats:
 
 
 __all__ = ["ExitSettings", "ExitStats", "GenerateEarlyExitOutput", "resolve_exit_settings", "early_exit_sample",
-           "EXIT_ARGUMENTS"]
+           "logit_score", "EXIT_ARGUMENTS", "LOGIT_CRITERIA"]

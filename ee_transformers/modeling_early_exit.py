@@ -8,7 +8,6 @@ Part of the Hub runtime: imports only torch, transformers and its siblings (flat
 copies these files next to the weights and `trust_remote_code=True` loads them without this package.
 """
 
-import math
 import os
 from dataclasses import dataclass
 
@@ -40,6 +39,7 @@ from .generation_early_exit import (
     GenerateEarlyExitOutput,
     early_exit_sample,
     exit_layers_after_eos,
+    logit_score,
     resolve_exit_settings,
 )
 
@@ -284,15 +284,7 @@ class EarlyExitMixin:
             elif criterion == "learned":
                 score = self.confidence_heads[index](head_out)
             else:
-                probs = logits.float().softmax(-1)
-                if criterion == "max_prob":
-                    score = probs.max(-1).values
-                elif criterion == "margin":
-                    top2 = probs.topk(2, dim=-1).values
-                    score = top2[:, 0] - top2[:, 1]
-                else:  # entropy, as a confidence in [0, 1]
-                    entropy = -(probs * torch.log(probs.clamp_min(1e-30))).sum(-1)
-                    score = 1.0 - entropy / math.log(probs.shape[-1])
+                score = logit_score(logits, criterion)
             confident = score >= settings.thresholds[layer]
         if settings.patience:
             argmax = logits.argmax(-1)

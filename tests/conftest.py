@@ -13,7 +13,6 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-import ee_transformers as eet
 
 torch.set_num_threads(1)
 

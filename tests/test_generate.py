@@ -7,7 +7,7 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 import ee_transformers as eet
-from conftest import make_base, padded_batch
+from conftest import padded_batch
 
 LAYERS = 4  # tiny models: 4 decoder layers, exits after 0, 1, 2, final = 3
 

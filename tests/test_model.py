@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, GPT2Config
 
 import ee_transformers as eet
-from conftest import FAMILIES, make_base, padded_batch
+from conftest import FAMILIES, padded_batch
 
 EXPECTED = {
     "llama": ("EarlyExitLlamaForCausalLM", "early_exit_llama"),

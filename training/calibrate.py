@@ -27,12 +27,8 @@ Python use:
 
 import itertools
 import json
-import math
 import os
-import shutil
-import statistics
 import sys
-import time
 
 if __package__ in (None, ""):  # run as `python training/calibrate.py`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -40,23 +36,15 @@ if __package__ in (None, ""):  # run as `python training/calibrate.py`
 import torch
 from torch.nn import functional as F
 
-LOGIT_CRITERIA = ("max_prob", "margin", "entropy")
-CRITERIA = ("max_prob", "margin", "entropy", "cosine", "learned")
+from ee_transformers.configuration_early_exit import EXIT_CRITERIA
+from ee_transformers.costs import measure_costs as measure_cost_pieces
+from ee_transformers.generation_early_exit import LOGIT_CRITERIA, logit_score
+
+CRITERIA = EXIT_CRITERIA
 
 
 # ------------------------------------------------------------------------------------------------------------ scores
-def scores_from_logits(logits: torch.Tensor, criterion: str) -> torch.Tensor:
-    """(..., V) logits -> (...) confidence scores, exactly as decoding computes them."""
-    probs = logits.float().softmax(-1)
-    if criterion == "max_prob":
-        return probs.max(-1).values
-    if criterion == "margin":
-        top2 = probs.topk(2, dim=-1).values
-        return top2[..., 0] - top2[..., 1]
-    if criterion == "entropy":
-        entropy = -(probs * torch.log(probs.clamp_min(1e-30))).sum(-1)
-        return 1.0 - entropy / math.log(probs.shape[-1])
-    raise ValueError(f"`criterion` {criterion!r} is not a logit criterion {LOGIT_CRITERIA}.")
+scores_from_logits = logit_score  # (..., V) logits -> (...) scores, the runtime's own definition
 
 
 @torch.no_grad()
@@ -97,80 +85,21 @@ def collect_exit_scores(model, blocks: torch.LongTensor, criterion: str, batch_s
 
 
 # -------------------------------------------------------------------------------------------------------------- costs
-def _interleaved_medians(ops: dict, repeats: int, sync, warmup: int = 3) -> dict:
-    """Median milliseconds of each callable in `ops`, timed in interleaved rounds (one call of each per round) so
-    that load changes on a shared machine hit every operation alike."""
-    for _ in range(warmup):
-        for fn in ops.values():
-            fn()
-    times = {name: [] for name in ops}
-    for _ in range(repeats):
-        for name, fn in ops.items():
-            sync()
-            start = time.perf_counter()
-            fn()
-            sync()
-            times[name].append((time.perf_counter() - start) * 1000)
-    return {name: statistics.median(values) for name, values in times.items()}
-
-
 @torch.no_grad()
 def measure_costs(model, criterion: str = "max_prob", batch_size: int = 1, context: int = 32,
                   repeats: int = 20) -> dict:
-    """Times, on this machine, one decode step (query length 1, `context` cached tokens) of: a decoder layer, an exit
-    check (head + score for logit criteria; cosine or confidence head otherwise), the LM head through an exit head,
-    and one layer's K/V backfill. Returns milliseconds and costs in layer steps (`head_cost`, `check_cost`,
-    `backfill_cost`)."""
-    decoder, config = model.model, model.config
-    device = decoder.embed_tokens.weight.device
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    was_training = model.training
-    model.eval()
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, config.vocab_size, (batch_size, context), generator=generator).to(device)
-    cache = model(input_ids=ids, use_cache=True).cache
-    token = torch.randint(0, config.vocab_size, (batch_size, 1), generator=generator).to(device)
-    h = decoder.embed_tokens(token)  # (B, 1, D)
-    position_ids = torch.full((batch_size, 1), context, device=device)
-    pos_emb = decoder.rotary_emb(h, position_ids)
-    masks = model.family.build_masks(config, h, None, cache, position_ids)
-    layers = list(range(config.num_hidden_layers))
-    probe = sorted({layers[0], layers[len(layers) // 2], layers[-1]})
-
-    def layer_step(j):
-        layer = decoder.layers[j]
-        layer(h, attention_mask=masks[model.family.layer_type(config, j)], position_embeddings=pos_emb,
-              position_ids=position_ids, cache=cache, use_cache=True)
-        cache.layers[j].crop(-1)  # only layer j grew by one token
-
-    def backfill(j):
-        layer = decoder.layers[j]
-        k, v = model.family.key_value(layer.self_attn, layer.input_layernorm(h), pos_emb)
-        cache.update(k, v, j)
-        cache.layers[j].crop(-1)  # only layer j grew by one token
-
-    h_last = h[:, -1]  # (B, D)
-    exit_index = len(config.exit_layers) - 1
-    head = lambda: model.exit_logits_from_hidden(exit_index, h_last)  # noqa: E731
-    if criterion in LOGIT_CRITERIA:
-        check = lambda: scores_from_logits(head(), criterion)  # noqa: E731
-    elif criterion == "cosine":
-        check = lambda: F.cosine_similarity(h_last.float(), h_last.float() + 1, dim=-1)  # noqa: E731
-    else:
-        heads = model.confidence_heads
-        if heads is None:
-            raise ValueError("`criterion='learned'` needs confidence heads.")
-        check = lambda: heads[exit_index](model.exit_heads[exit_index](h_last))  # noqa: E731
-    ops = {f"layer{j}": (lambda j=j: layer_step(j)) for j in probe}
-    ops.update({f"backfill{j}": (lambda j=j: backfill(j)) for j in probe})
-    ops.update(head=lambda: scores_from_logits(head(), "max_prob"), check=check)
-    ms = _interleaved_medians(ops, repeats, sync)
-    layer_ms = statistics.median(ms[f"layer{j}"] for j in probe)
-    backfill_ms = statistics.median(ms[f"backfill{j}"] for j in probe)
-    head_ms, check_ms = ms["head"], ms["check"]
-    model.train(was_training)
-    layer_ms = max(layer_ms, 1e-6)
-    return {"device": str(device), "dtype": str(decoder.embed_tokens.weight.dtype), "batch_size": batch_size,
+    """Costs on this machine, in decoder-layer steps, of what calibration's simulation charges: an LM-head call
+    through an exit head (`head_cost`), a check of `criterion` (`check_cost`: the head plus the score for a logit
+    criterion, the cosine or confidence head otherwise) and one skipped layer's K/V backfill (`backfill_cost`), at
+    `batch_size` rows behind a `context`-token cache. Timed by the benchmark's cost model (`ee_transformers.costs`)."""
+    if criterion == "learned" and getattr(model, "confidence_heads", None) is None:
+        raise ValueError("`criterion='learned'` needs confidence heads.")
+    pieces = measure_cost_pieces(model, batch_size, context=context, repeats=repeats)
+    ms = {name: by_rows[str(batch_size)] for name, by_rows in pieces["ms"].items()}
+    check = "head_check" if criterion in LOGIT_CRITERIA else f"{criterion}_check"
+    layer_ms = max(ms["layer"], 1e-6)
+    head_ms, check_ms, backfill_ms = ms["head"], ms[check], ms["backfill"]
+    return {"device": str(model.device), "dtype": str(model.dtype), "batch_size": batch_size,
             "context": context, "layer_ms": round(layer_ms, 5), "head_ms": round(head_ms, 5),
             "check_ms": round(check_ms, 5), "backfill_ms": round(backfill_ms, 5),
             "head_cost": round(head_ms / layer_ms, 4), "check_cost": round(check_ms / layer_ms, 4),
