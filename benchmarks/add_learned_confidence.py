@@ -10,11 +10,11 @@ from pathlib import Path
 
 import torch
 
-from ee_transformers import assets, from_base
-from ee_transformers.demo import CALIBRATION_REGIONS, FIT_REGIONS, _slice
-from training.calibrate import apply_calibration, calibrate, calibration_card
-from training.data import tokenize_blocks
-from training.fit_exit_heads import FitConfig, fit_confidence_heads, save_model_folder
+from ee_transformers.tools import assets, from_base
+from ee_transformers.tools.demo import CALIBRATION_REGIONS, FIT_REGIONS, _slice
+from ee_transformers.training.calibrate import apply_calibration, calibrate, calibration_card
+from ee_transformers.training.data import tokenize_blocks
+from ee_transformers.training.fit_exit_heads import FitConfig, fit_confidence_heads, save_model_folder
 
 
 def main(out):

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run from a bare checkout, without installing the package
     sys.path.insert(0, str(ROOT))
 
-from ee_transformers import bench  # noqa: E402
+from ee_transformers.tools import bench  # noqa: E402
 from ee_transformers.configuration_early_exit import EarlyExitLlamaConfig  # noqa: E402
 from ee_transformers.modeling_early_exit import EarlyExitLlamaForCausalLM  # noqa: E402
 

@@ -21,7 +21,7 @@ from .modeling_early_exit import (
     EarlyExitQwen2ForCausalLM,
     EarlyExitQwen3ForCausalLM,
 )
-from .model_card import write_model_card
+from .tools.model_card import write_model_card
 
 
 for _cls in (EarlyExitLlamaForCausalLM, EarlyExitMistralForCausalLM, EarlyExitQwen2ForCausalLM,

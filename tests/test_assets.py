@@ -1,4 +1,4 @@
-"""Tests for ee_transformers.assets: the R reader on synthetic data, and the fetch logic with fake downloaders."""
+"""Tests for ee_transformers.tools.assets: the R reader on synthetic data, and the fetch logic with fake downloaders."""
 
 import gzip
 import hashlib
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ee_transformers import assets
+from ee_transformers.tools import assets
 
 # ---------------------------------------------------------------------------------------------------------------
 # A tiny R XDR serializer, enough to build test inputs

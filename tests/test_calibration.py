@@ -8,11 +8,11 @@ import pytest
 import torch
 
 import ee_transformers as eet
-from training.calibrate import (apply_calibration, calibrate, collect_exit_scores, main, measure_costs,
+from ee_transformers.training.calibrate import (apply_calibration, calibrate, collect_exit_scores, main, measure_costs,
                                 scores_from_logits, search_policy, simulate)
-from training.data import load_blocks
-from training.fit_exit_heads import FitConfig, fit_exit_heads, save_model_folder
-from training.tiny import save_tiny_base, tiny_texts, tiny_tokenizer, write_texts
+from ee_transformers.training.data import load_blocks
+from ee_transformers.training.fit_exit_heads import FitConfig, fit_exit_heads, save_model_folder
+from ee_transformers.training.tiny import save_tiny_base, tiny_texts, tiny_tokenizer, write_texts
 
 torch.set_num_threads(1)
 FREE = {"head_cost": 0.0, "check_cost": 0.0, "backfill_cost": 0.0}
@@ -169,7 +169,7 @@ def test_cli_calibrate_rejects_plain_folder(tmp_path, capsys):
 
 
 def test_calibrate_learned_and_cosine_criteria(fitted):
-    from training.fit_exit_heads import fit_confidence_heads
+    from ee_transformers.training.fit_exit_heads import fit_confidence_heads
 
     folder, _, heldout = fitted
     model = eet.from_base(folder)
@@ -185,7 +185,7 @@ def test_calibrate_learned_and_cosine_criteria(fitted):
 
 
 def test_on_policy_agreement_full_depth_is_exact(fitted):
-    from training.calibrate import on_policy_agreement
+    from ee_transformers.training.calibrate import on_policy_agreement
 
     folder, _, heldout = fitted
     model = eet.from_base(folder)

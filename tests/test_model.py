@@ -238,7 +238,7 @@ def test_auto_class_loads_in_process_with_package(base_dirs, tmp_path):
 
 
 def test_convert_cli(base_dirs, tmp_path):
-    from ee_transformers.cli import main
+    from ee_transformers.tools.cli import main
 
     out = tmp_path / "converted"
     assert main(["convert", str(base_dirs["mistral"][0]), str(out), "--exit-layers", "0,2",

@@ -1,4 +1,4 @@
-"""Issue 5: on the real SmolLM2-135M (fetched and cached by `ee_transformers.assets`), a brief fit and a calibration
+"""Issue 5: on the real SmolLM2-135M (fetched and cached by `ee_transformers.tools.assets`), a brief fit and a calibration
 give early-exit decoding that skips layers while holding agreement with full depth on held-out text."""
 
 from pathlib import Path
@@ -11,7 +11,7 @@ pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from ee_transformers import assets, from_base
+    from ee_transformers.tools import assets, from_base
 
     model_dir = assets.fetch_model(progress=False)
     text = assets.fetch_text(progress=False)
@@ -20,7 +20,7 @@ def smollm2():
 
 
 def _blocks(tokenizer, path, region, count, block_size=128):
-    from training.data import tokenize_blocks
+    from ee_transformers.training.data import tokenize_blocks
 
     text = Path(path).read_text(encoding="utf-8")
     start = int(region * len(text))
@@ -29,8 +29,8 @@ def _blocks(tokenizer, path, region, count, block_size=128):
 
 def test_fit_calibrate_and_skip_layers_on_held_out_text(smollm2):
     from ee_transformers import ExitStats, assets
-    from training.calibrate import apply_calibration, calibrate
-    from training.fit_exit_heads import FitConfig, fit_exit_heads
+    from ee_transformers.training.calibrate import apply_calibration, calibrate
+    from ee_transformers.training.fit_exit_heads import FitConfig, fit_exit_heads
 
     torch.manual_seed(0)
     model, text = smollm2

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import ee_transformers as eet
-from training.checkpoint import list_checkpoints
-from training.data import check_block_size, load_blocks, pack_token_ids, read_texts, split_blocks, tokenize_blocks
-from training.fit_exit_heads import FitConfig, evaluate_exits, fit_exit_heads, main, save_model_folder
-from training.tiny import save_tiny_base, tiny_texts, tiny_tokenizer, write_texts
+from ee_transformers.training.checkpoint import list_checkpoints
+from ee_transformers.training.data import check_block_size, load_blocks, pack_token_ids, read_texts, split_blocks, tokenize_blocks
+from ee_transformers.training.fit_exit_heads import FitConfig, evaluate_exits, fit_exit_heads, main, save_model_folder
+from ee_transformers.training.tiny import save_tiny_base, tiny_texts, tiny_tokenizer, write_texts
 
 torch.set_num_threads(1)
 QUIET = dict(progress=False)
@@ -263,7 +263,10 @@ def test_cli_fit_4bit_qwen3_lora_kept(tmp_path):
     folder holds the original full-precision backbone plus the adapter, and loads without bitsandbytes."""
     pytest.importorskip("bitsandbytes")
     pytest.importorskip("peft")
-    base = save_tiny_base(tmp_path / "qwen3", family="qwen3")
+    # bitsandbytes >= 0.50 packs CPU 4-bit weights in blocks of 64 input features: a real model's widths are
+    # multiples of that (outputs too), the tiny defaults are not
+    base = save_tiny_base(tmp_path / "qwen3", family="qwen3", hidden_size=64, intermediate_size=128,
+                          head_dim=16, num_key_value_heads=4)
     files = write_texts(tmp_path / "text", tiny_texts(n_docs=3), kind="jsonl")
     out = tmp_path / "q"
     assert main(fit_args(base, files, out, "--load-in-4bit", "--lora-rank", "4", "--keep-adapters")) == 0

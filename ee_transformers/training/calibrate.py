@@ -30,14 +30,11 @@ import json
 import os
 import sys
 
-if __package__ in (None, ""):  # run as `python training/calibrate.py`
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 import torch
 from torch.nn import functional as F
 
 from ee_transformers.configuration_early_exit import EXIT_CRITERIA
-from ee_transformers.costs import measure_costs as measure_cost_pieces
+from ee_transformers.tools.costs import measure_costs as measure_cost_pieces
 from ee_transformers.generation_early_exit import LOGIT_CRITERIA, logit_score
 
 CRITERIA = EXIT_CRITERIA
@@ -91,7 +88,7 @@ def measure_costs(model, criterion: str = "max_prob", batch_size: int = 1, conte
     """Costs on this machine, in decoder-layer steps, of what calibration's simulation charges: an LM-head call
     through an exit head (`head_cost`), a check of `criterion` (`check_cost`: the head plus the score for a logit
     criterion, the cosine or confidence head otherwise) and one skipped layer's K/V backfill (`backfill_cost`), at
-    `batch_size` rows behind a `context`-token cache. Timed by the benchmark's cost model (`ee_transformers.costs`)."""
+    `batch_size` rows behind a `context`-token cache. Timed by the benchmark's cost model (`ee_transformers.tools.costs`)."""
     if criterion == "learned" and getattr(model, "confidence_heads", None) is None:
         raise ValueError("`criterion='learned'` needs confidence heads.")
     pieces = measure_cost_pieces(model, batch_size, context=context, repeats=repeats)
@@ -216,7 +213,7 @@ def _as_blocks(data, tokenizer, block_size):
         return data
     if tokenizer is None or block_size is None:
         raise ValueError("Calibrating on texts needs `tokenizer` and `block_size`.")
-    from training.data import tokenize_blocks
+    from ee_transformers.training.data import tokenize_blocks
 
     return tokenize_blocks(list(data), tokenizer, block_size)
 
@@ -476,8 +473,8 @@ def main(argv=None):
 
 def _run(args):
     import ee_transformers as eet
-    from training.data import check_block_size, read_texts, tokenize_blocks
-    from training.fit_exit_heads import save_model_folder
+    from ee_transformers.training.data import check_block_size, read_texts, tokenize_blocks
+    from ee_transformers.training.fit_exit_heads import save_model_folder
 
     folder = args.model
     config_file = os.path.join(folder, "config.json")

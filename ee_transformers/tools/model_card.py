@@ -1,4 +1,4 @@
-"""Model cards for early-exit folders, rendered from the template in `model_cards/`."""
+"""Model cards for early-exit folders, rendered from the template in `ee_transformers/tools/model_cards/`."""
 
 import json
 import os
@@ -10,12 +10,8 @@ TEMPLATE_NAME = "early_exit_model_card.md"
 
 
 def _template_text() -> str:
-    try:  # installed: the template ships as package data
-        return resources.files("ee_transformers").joinpath("model_cards", TEMPLATE_NAME).read_text()
-    except (FileNotFoundError, ModuleNotFoundError, NotADirectoryError):
-        pass
-    repo_copy = Path(__file__).resolve().parent.parent / "model_cards" / TEMPLATE_NAME
-    return repo_copy.read_text()
+    # package data (pyproject's [tool.setuptools.package-data]), so a wheel has it as an editable install does
+    return resources.files("ee_transformers.tools").joinpath("model_cards", TEMPLATE_NAME).read_text()
 
 
 def render_model_card(model, extra: dict | None = None) -> str:

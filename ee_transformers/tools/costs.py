@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from .generation_early_exit import LOGIT_CRITERIA
+from ee_transformers.generation_early_exit import LOGIT_CRITERIA
 
 __all__ = ["measure_costs", "step_cost", "full_step_cost", "ideal_speedup", "interp"]
 

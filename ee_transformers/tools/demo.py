@@ -68,9 +68,9 @@ def main(argv=None):
     batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
     started = time.perf_counter()
 
-    from . import assets, bench
-    from .convert import from_base
-    from .model_card import write_model_card
+    from ee_transformers.tools import assets, bench
+    from ee_transformers.convert import from_base
+    from ee_transformers.tools.model_card import write_model_card
 
     print("== 1. assets")
     model_dir = assets.fetch_model()
@@ -121,13 +121,13 @@ def main(argv=None):
 
 
 def _fit_and_calibrate(args, exit_layers, model_dir, novels, python_docs, out):
-    from training.calibrate import apply_calibration, calibrate, calibration_card
-    from training.data import tokenize_blocks
-    from training.fit_exit_heads import (FitConfig, fit_confidence_heads, fit_exit_heads, save_model_folder,
+    from ee_transformers.training.calibrate import apply_calibration, calibrate, calibration_card
+    from ee_transformers.training.data import tokenize_blocks
+    from ee_transformers.training.fit_exit_heads import (FitConfig, fit_confidence_heads, fit_exit_heads, save_model_folder,
                                          training_card)
 
-    from . import assets
-    from .convert import from_base
+    from ee_transformers.tools import assets
+    from ee_transformers.convert import from_base
 
     print(f"== 2. exit heads after layers {exit_layers} (norm + rank-{args.adapter_rank} adapter)")
     model = from_base(model_dir, exit_layers=exit_layers, exit_head="adapter", exit_adapter_rank=args.adapter_rank,

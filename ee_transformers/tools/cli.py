@@ -9,12 +9,12 @@ import importlib
 import sys
 
 SUBCOMMANDS = {
-    "convert": ("ee_transformers.cli", "convert_main", "build an early-exit folder from a plain checkpoint"),
-    "fetch-assets": ("ee_transformers.assets", "main", "fetch SmolLM2-135M and real English text (cached)"),
-    "fit": ("training.fit_exit_heads", "main", "fit exit heads (same as python training/fit_exit_heads.py)"),
-    "calibrate": ("training.calibrate", "main", "choose exits and thresholds for a quality target"),
-    "bench": ("ee_transformers.bench", "main", "benchmark early exit against plain transformers generate"),
-    "demo": ("ee_transformers.demo", "main", "the main job: fetch, convert, fit, calibrate, compare side by side"),
+    "convert": ("ee_transformers.tools.cli", "convert_main", "build an early-exit folder from a plain checkpoint"),
+    "fetch-assets": ("ee_transformers.tools.assets", "main", "fetch SmolLM2-135M and real English text (cached)"),
+    "fit": ("ee_transformers.training.fit_exit_heads", "main", "fit exit heads (same as python -m ee_transformers.training.fit_exit_heads)"),
+    "calibrate": ("ee_transformers.training.calibrate", "main", "choose exits and thresholds for a quality target"),
+    "bench": ("ee_transformers.tools.bench", "main", "benchmark early exit against plain transformers generate"),
+    "demo": ("ee_transformers.tools.demo", "main", "the main job: fetch, convert, fit, calibrate, compare side by side"),
 }
 
 
@@ -32,7 +32,7 @@ def convert_main(argv=None):
         exit_layers = [int(x) for x in args.exit_layers.split(",") if x.strip()]
     except ValueError:
         parser.error(f"--exit-layers must be comma-separated integers, got {args.exit_layers!r}")
-    from . import from_base
+    from ee_transformers import from_base
 
     try:
         model = from_base(args.base, exit_layers=exit_layers, exit_head=args.exit_head,

@@ -1,8 +1,8 @@
 """Fit exit heads by self-distillation on a frozen (or LoRA-adapted) backbone.
 
-    python training/fit_exit_heads.py --model path/to/plain-or-ee --exit-layers 7,15,22 --data books/*.txt \
+    python -m ee_transformers.training.fit_exit_heads --model path/to/plain-or-ee --exit-layers 7,15,22 --data books/*.txt \
         --block-size 512 --steps 2000 --out my-ee-model
-    accelerate launch training/fit_exit_heads.py ...       # several GPUs (DDP; FSDP best-effort)
+    accelerate launch -m ee_transformers.training.fit_exit_heads ...     # several GPUs (DDP; FSDP best-effort)
     ee-transformers fit ...                                # the same entry point
 
 Per step the backbone runs once per block under no_grad with `output_hidden_states`; the final layer's distribution
@@ -26,15 +26,12 @@ import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, fields
 
-if __package__ in (None, ""):  # run as `python training/fit_exit_heads.py`: make the repo root importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from ee_transformers.convert import read_config
-from training.checkpoint import latest_checkpoint, load_checkpoint, read_checkpoint_state, save_checkpoint
+from ee_transformers.training.checkpoint import latest_checkpoint, load_checkpoint, read_checkpoint_state, save_checkpoint
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -388,7 +385,7 @@ def fit_exit_heads(model, train_blocks: torch.LongTensor, heldout_blocks: torch.
                          "`ee_transformers.from_base(path, exit_layers=[...])`.")
     if train_blocks.ndim != 2 or train_blocks.shape[0] == 0:
         raise ValueError(f"`train_blocks` must be a non-empty (n, block_size) tensor, got shape {tuple(train_blocks.shape)}.")
-    from training.data import check_block_size
+    from ee_transformers.training.data import check_block_size
 
     check_block_size(int(train_blocks.shape[1]), ee.config)
     resume_path = resolve_resume(resume, checkpoint_dir)
@@ -820,7 +817,7 @@ def main(argv=None):
 def _run(args):
     from transformers import AutoTokenizer
 
-    from training.data import check_block_size, load_blocks
+    from ee_transformers.training.data import check_block_size, load_blocks
 
     config_fields = {f.name: getattr(args, f.name) for f in fields(FitConfig) if hasattr(args, f.name)}
     config = FitConfig(**config_fields, progress=not args.no_progress, merge_lora=not args.keep_adapters)
@@ -899,7 +896,7 @@ def _run(args):
         final.save_pretrained(adapter_tmp)
         extra_dirs["lora_adapter"] = adapter_tmp
         ee = final.unload()  # the original backbone weights, adapter modules removed (not merged)
-    from training.data import expand_paths
+    from ee_transformers.training.data import expand_paths
 
     data_files = expand_paths(args.data)
     data_desc = ", ".join(sorted({os.path.basename(p) for p in data_files})[:8]) + \

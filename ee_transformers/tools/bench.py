@@ -43,9 +43,9 @@ from types import SimpleNamespace
 import torch
 import transformers
 
-from .costs import ideal_speedup, measure_costs
-from .generation_early_exit import ExitStats, resolve_exit_settings
-from .modeling_early_exit import EarlyExitMixin
+from ee_transformers.tools.costs import ideal_speedup, measure_costs
+from ee_transformers.generation_early_exit import ExitStats, resolve_exit_settings
+from ee_transformers.modeling_early_exit import EarlyExitMixin
 
 __all__ = [
     "FORCED_PROFILES",
@@ -133,7 +133,7 @@ def plain_twin(ee_model):
 
 def load_models(path, exit_layers=None, exit_head=None, dtype=torch.float32, device="cpu"):
     """(early-exit model, plain twin) from an early-exit folder, or from a plain folder converted on the fly."""
-    from .convert import from_base
+    from ee_transformers.convert import from_base
 
     ee = from_base(path, exit_layers=exit_layers, exit_head=exit_head, dtype=dtype).to(device).eval()
     if not ee.config.exit_layers:
@@ -142,7 +142,7 @@ def load_models(path, exit_layers=None, exit_head=None, dtype=torch.float32, dev
 
 
 def _default_text_files():
-    from . import assets
+    from ee_transformers.tools import assets
 
     text = assets.fetch_text()
     novel = next(p for p in text["austen"] if Path(p).stem == assets.AUSTEN_HELDOUT)
@@ -1018,7 +1018,7 @@ def build_parser():
     parser.add_argument("--exit-head", choices=["norm", "adapter"], default=None)
     parser.add_argument("--prompts-from", nargs="+", default=None, metavar="FILE",
                         help="held-out text files (default: the held-out tails of Austen's Sense and Sensibility "
-                             "and the Python manual, from ee_transformers.assets.fetch_text())")
+                             "and the Python manual, from ee_transformers.tools.assets.fetch_text())")
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--batch-sizes", type=_int_list, default=[1, 8])
