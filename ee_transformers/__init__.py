@@ -2,7 +2,7 @@
 
 __version__ = "0.1.0"
 
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .cache_early_exit import EarlyExitCache
 from .configuration_early_exit import (
@@ -12,27 +12,51 @@ from .configuration_early_exit import (
     EarlyExitQwen3Config,
 )
 from .convert import SUPPORTED_FAMILIES, from_base, model_class_for
-from .generation_early_exit import ExitSettings, ExitStats, GenerateEarlyExitOutput
+from .generation_early_exit import (
+    EXIT_CRITERIA,
+    Check,
+    ExitCriterion,
+    ExitSettings,
+    ExitStats,
+    GenerateEarlyExitOutput,
+    register_exit_criterion,
+)
 from .modeling_early_exit import (
+    FAMILIES,
     EarlyExitCausalLMOutput,
     EarlyExitLlamaForCausalLM,
+    EarlyExitLlamaModel,
     EarlyExitMistralForCausalLM,
+    EarlyExitMistralModel,
     EarlyExitMixin,
+    EarlyExitModelOutput,
     EarlyExitQwen2ForCausalLM,
+    EarlyExitQwen2Model,
     EarlyExitQwen3ForCausalLM,
+    EarlyExitQwen3Model,
 )
 from .tools.model_card import write_model_card
 
 
-for _cls in (EarlyExitLlamaForCausalLM, EarlyExitMistralForCausalLM, EarlyExitQwen2ForCausalLM,
-             EarlyExitQwen3ForCausalLM):
+for _cls in FAMILIES.values():
     AutoConfig.register(_cls.config_class.model_type, _cls.config_class, exist_ok=True)
     AutoModelForCausalLM.register(_cls.config_class, _cls, exist_ok=True)
+    AutoModel.register(_cls.config_class, _cls.base_model_class, exist_ok=True)
 
 # with the package installed, save_pretrained also writes the model card
 EarlyExitMixin.model_card_writer = staticmethod(write_model_card)
 
 __all__ = [
+    "Check",
+    "EXIT_CRITERIA",
+    "ExitCriterion",
+    "FAMILIES",
+    "EarlyExitLlamaModel",
+    "EarlyExitMistralModel",
+    "EarlyExitModelOutput",
+    "EarlyExitQwen2Model",
+    "EarlyExitQwen3Model",
+    "register_exit_criterion",
     "EarlyExitCache",
     "EarlyExitCausalLMOutput",
     "EarlyExitLlamaConfig",

@@ -12,9 +12,9 @@ from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 
 EXIT_HEAD_TYPES = ("norm", "adapter")
-EXIT_CRITERIA = ("max_prob", "margin", "entropy", "cosine", "learned")
-EXIT_POLICIES = ("batch", "row")
-EXIT_KV_MODES = ("immediate", "deferred")
+# decoding settings the first wave kept in config.json (now generation settings)
+LEGACY_DECODING_FIELDS = ("exit_criterion", "exit_threshold", "exit_policy", "exit_patience", "exit_kv",
+                          "exit_check_layers")
 
 
 def validate_exit_layers(exit_layers, num_hidden_layers: int) -> list[int]:
@@ -42,38 +42,28 @@ def validate_exit_layers(exit_layers, num_hidden_layers: int) -> list[int]:
 
 @dataclass(repr=False, eq=False)
 class EarlyExitConfigMixin:
-    """The exit fields shared by every early-exit config.
+    """The exit fields shared by every early-exit config: the architecture of the exits.
 
-    Architecture:
-        exit_layers: sorted 0-based decoder-layer indices after which an exit head sits. The last layer is always the
-            final exit and is not listed.
-        exit_head: `"norm"` (a per-exit norm feeding the shared LM head) or `"adapter"` (that norm plus a zero-initialised
-            low-rank residual MLP of rank `exit_adapter_rank`).
-        exit_adapter_rank: rank of the adapter when `exit_head="adapter"`.
-        exit_confidence_heads: whether each exit also has a learned confidence head (the `"learned"` criterion).
+    exit_layers: sorted 0-based decoder-layer indices after which an exit head sits. The last layer is always the final
+        exit and is not listed.
+    exit_head: `"norm"` (a per-exit norm feeding the shared LM head) or `"adapter"` (that norm plus a zero-initialised
+        low-rank residual MLP of rank `exit_adapter_rank`).
+    exit_adapter_rank: rank of the adapter when `exit_head="adapter"`.
+    exit_confidence_heads: whether each exit also has a learned confidence head (the `"learned"` criterion).
 
-    Decoding defaults (written by calibration; used by `generate()` when it gets no exit arguments):
-        exit_criterion: one of `EXIT_CRITERIA`, or None to decode at full depth.
-        exit_threshold: a float, or one float per checked exit.
-        exit_policy: `"batch"` or `"row"`.
-        exit_patience: 0 (off) or k >= 2 for the stable-token exit.
-        exit_kv: `"immediate"` or `"deferred"`.
-        exit_check_layers: the subset of `exit_layers` checked at decode time (None = all of them).
+    How to decode (criterion, threshold, policy, ...) is a generation setting: it lives in `model.generation_config`
+    (`generation_config.json`), where calibration writes it.
     """
 
     exit_layers: list[int] | None = None
     exit_head: str = "norm"
     exit_adapter_rank: int = 64
     exit_confidence_heads: bool = False
-    exit_criterion: str | None = None
-    exit_threshold: float | list[float] | None = None
-    exit_policy: str = "batch"
-    exit_patience: int = 0
-    exit_kv: str = "immediate"
-    exit_check_layers: list[int] | None = None
 
     def __post_init__(self, **kwargs):
         self.exit_layers = list(self.exit_layers) if self.exit_layers is not None else []
+        # first-wave folders stored decoding defaults here; the model moves them to its generation config on load
+        self._legacy_exit_settings = {name: kwargs.pop(name) for name in LEGACY_DECODING_FIELDS if name in kwargs}
         super().__post_init__(**kwargs)
         self.validate_early_exit()
 
@@ -82,20 +72,9 @@ class EarlyExitConfigMixin:
         self.exit_layers = validate_exit_layers(self.exit_layers, self.num_hidden_layers)
         if self.exit_head not in EXIT_HEAD_TYPES:
             raise ValueError(f"`exit_head` must be one of {list(EXIT_HEAD_TYPES)}, got {self.exit_head!r}.")
-        if isinstance(self.exit_adapter_rank, bool) or not isinstance(self.exit_adapter_rank, int) or self.exit_adapter_rank <= 0:
-            raise ValueError(f"`exit_adapter_rank` must be a positive integer, got {self.exit_adapter_rank!r}.")
-        if self.exit_criterion is not None and self.exit_criterion not in EXIT_CRITERIA:
-            raise ValueError(f"`exit_criterion` must be one of {list(EXIT_CRITERIA)} or None, got {self.exit_criterion!r}.")
-        if self.exit_policy not in EXIT_POLICIES:
-            raise ValueError(f"`exit_policy` must be one of {list(EXIT_POLICIES)}, got {self.exit_policy!r}.")
-        if self.exit_kv not in EXIT_KV_MODES:
-            raise ValueError(f"`exit_kv` must be one of {list(EXIT_KV_MODES)}, got {self.exit_kv!r}.")
-        if self.exit_check_layers is not None:
-            unknown = [layer for layer in self.exit_check_layers if layer not in self.exit_layers]
-            if unknown:
-                raise ValueError(
-                    f"`exit_check_layers` holds {unknown}, which are not exits: allowed values are {self.exit_layers}."
-                )
+        rank = self.exit_adapter_rank
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
+            raise ValueError(f"`exit_adapter_rank` must be a positive integer, got {rank!r}.")
 
     @property
     def num_exits(self) -> int:

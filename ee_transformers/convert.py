@@ -4,22 +4,13 @@ import json
 import logging
 import os
 
-from .modeling_early_exit import (
-    EarlyExitLlamaForCausalLM,
-    EarlyExitMistralForCausalLM,
-    EarlyExitQwen2ForCausalLM,
-    EarlyExitQwen3ForCausalLM,
-)
+from .generation_early_exit import EXIT_ARGUMENTS, check_exit_argument
+from .modeling_early_exit import FAMILIES
 
 logger = logging.getLogger(__name__)
 
-# plain model_type (and our own) -> early-exit class
-SUPPORTED_FAMILIES = {
-    "llama": EarlyExitLlamaForCausalLM,
-    "mistral": EarlyExitMistralForCausalLM,
-    "qwen2": EarlyExitQwen2ForCausalLM,
-    "qwen3": EarlyExitQwen3ForCausalLM,
-}
+# plain model_type -> early-exit class (the family table of modeling_early_exit.py)
+SUPPORTED_FAMILIES = FAMILIES
 _BY_EE_TYPE = {cls.config_class.model_type: cls for cls in SUPPORTED_FAMILIES.values()}
 
 
@@ -38,15 +29,21 @@ def read_config(path, argument: str = "path") -> dict:
     if not os.path.isfile(config_file):
         raise ValueError(f"`{argument}` {str(path)!r} is not a model folder: no config.json in it.")
     with open(config_file) as f:
-        return json.load(f)
+        config = json.load(f)
+    if not isinstance(config, dict):
+        raise ValueError(f"`{argument}`: {config_file} must hold a JSON object, got {type(config).__name__}.")
+    return config
 
 
 def from_base(path, exit_layers=None, exit_head=None, exit_adapter_rank=None, **kwargs):
     """Loads a plain (or early-exit) checkpoint folder into the early-exit class of its family.
 
-    `exit_layers` (and `exit_head`, `exit_adapter_rank`) override what the checkpoint's config holds; everything is
-    validated before any weight is read. Extra keyword arguments go to `from_pretrained` (e.g. `dtype`).
+    `exit_layers` (and `exit_head`, `exit_adapter_rank`) override what the checkpoint's config holds; exit settings
+    (`exit_criterion=...`, `exit_threshold=...`, ...) become the model's generation defaults. Everything is validated
+    before any weight is read. Other keyword arguments go to `from_pretrained` (e.g. `dtype`).
     """
+    for name in EXIT_ARGUMENTS:
+        check_exit_argument(name, kwargs.get(name))
     config = read_config(path)
     cls = model_class_for(config.get("model_type"))
     overrides = {k: v for k, v in dict(exit_layers=exit_layers, exit_head=exit_head,

@@ -1,28 +1,76 @@
-"""Early-exit decoding settings, the decoding loop used by `generate`, and exit statistics.
+"""Early-exit decoding, top to bottom: settings, criteria, one decoding step, and the `generate` loop.
 
-Part of the Hub runtime: imports only torch and transformers.
+`model.generate(...)` of an early-exit model resolves the exit settings (generate kwargs over a passed
+`GenerationConfig` over `model.generation_config`) and, when exits are on, hands transformers the callable
+`early_exit_generate` through its public seam, `generate(custom_generate=...)`. One step of it reads as:
+
+    prefill(model, ids)          every layer runs for every prompt position (the prompt's K/V are complete); each row's
+                                 first token comes from the first exit whose criterion holds at the last position
+    decode_one_token(model, id)  the layer loop: after each checked exit, `check_exit` decides which running rows stop;
+                                 stopped rows leave the running batch (row policy) or the loop ends (batch policy);
+                                 their K/V in the skipped layers are backfilled from the exit state (or deferred)
+    Decided.finish(model)        the step's one LM-head call for every row that was decided without logits
+
+Part of the Hub runtime: imports only torch, transformers and its siblings.
 """
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch import nn
+from torch.profiler import record_function
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .cache_early_exit import EarlyExitCache
-from .configuration_early_exit import EXIT_CRITERIA, EXIT_KV_MODES, EXIT_POLICIES
+from .cache_early_exit import EarlyExitCache, RowSubsetCache
 
 
-# generate() arguments that belong to early exit; popped before transformers sees them.
-EXIT_ARGUMENTS = (
-    "early_exit", "exit_criterion", "exit_threshold", "exit_policy", "exit_patience", "exit_kv", "exit_check_layers",
-    "exit_forced",
-)
-SCORE_RANGES = {"max_prob": (0.0, 1.0), "margin": (0.0, 1.0), "entropy": (0.0, 1.0), "cosine": (-1.0, 1.0),
-                "learned": (0.0, 1.0)}
-# criteria that decide from the exit head's logits (so the LM head runs at every check)
-LOGIT_CRITERIA = ("max_prob", "margin", "entropy")
+# ---------------------------------------------------------------------------------------------------------------------
+# criteria
+# ---------------------------------------------------------------------------------------------------------------------
+@dataclass
+class Check:
+    """What one exit check sees, for the `n` running rows at the last position.
+
+    layer: the decoder layer just run; exit_index: its position in `config.exit_layers`; h_out / h_in: `(n, D)` the
+    residual stream leaving / entering it; rows: `(n,)` batch indices; logits: `(n, V)` the exit head's logits (when
+    the criterion or patience needs them); head_out: `(n, D)` the exit head's output (when the criterion needs it);
+    step: what the criterion's `begin_step` returned for this step.
+    """
+
+    model: nn.Module
+    layer: int
+    exit_index: int
+    h_out: torch.Tensor
+    h_in: torch.Tensor
+    rows: torch.Tensor
+    logits: torch.Tensor | None = None
+    head_out: torch.Tensor | None = None
+    step: object = None
+
+
+class ExitCriterion:
+    """A confidence score for an exit: a row exits when `score(check) >= threshold`.
+
+    Subclass and register (`register_exit_criterion`) to add one; `generate(exit_criterion=...)` also takes an instance.
+    """
+
+    name = "custom"  # the cost model prices a check by name: logit criteria, "cosine", "learned"; others as decisions
+    needs_logits = False  # the check runs the LM head (a logit criterion)
+    needs_head_output = False  # the check needs the exit head's output (norm / adapter), not its logits
+    score_range = (0.0, 1.0)  # allowed thresholds
+    default_threshold = None  # used when no `exit_threshold` is given
+
+    def validate(self, config) -> None:
+        """Raises a `ValueError` when `config`'s model cannot use this criterion."""
+
+    def begin_step(self, batch_size: int, device):
+        """Called once per decoding step; whatever it returns is `check.step`."""
+        return None
+
+    def score(self, check: Check) -> torch.Tensor:
+        """`(n,)` scores, higher = more confident."""
+        raise NotImplementedError
 
 
 def logit_score(logits: torch.Tensor, criterion: str) -> torch.Tensor:
@@ -40,16 +88,117 @@ def logit_score(logits: torch.Tensor, criterion: str) -> torch.Tensor:
     raise ValueError(f"`criterion` {criterion!r} is not a logit criterion: allowed values are {list(LOGIT_CRITERIA)}.")
 
 
+class LogitCriterion(ExitCriterion):
+    needs_logits = True
+
+    def __init__(self, name):
+        self.name = name
+
+    def score(self, check):
+        return logit_score(check.logits, self.name)
+
+
+class CosineCriterion(ExitCriterion):
+    """Cosine of the states leaving and entering the exit layer: no LM head needed to decide."""
+
+    name = "cosine"
+    score_range = (-1.0, 1.0)
+
+    def score(self, check):
+        return nn.functional.cosine_similarity(check.h_out.float(), check.h_in.float(), dim=-1)
+
+
+class LearnedCriterion(ExitCriterion):
+    """CALM's meta classifier on the exit head's output (a trained confidence head per exit)."""
+
+    name = "learned"
+    needs_head_output = True
+
+    def validate(self, config):
+        if not getattr(config, "exit_confidence_heads", False):
+            raise ValueError("`exit_criterion='learned'` needs trained confidence heads, and this model has none; fit "
+                             "them with the training script's confidence stage, or use one of "
+                             f"{[c for c in EXIT_CRITERIA if c != 'learned']}.")
+
+    def score(self, check):
+        return check.model.confidence_heads[check.exit_index](check.head_out)
+
+
+LOGIT_CRITERIA = ("max_prob", "margin", "entropy")
+EXIT_CRITERIA: dict[str, ExitCriterion] = {
+    **{name: LogitCriterion(name) for name in LOGIT_CRITERIA},
+    "cosine": CosineCriterion(),
+    "learned": LearnedCriterion(),
+}
+
+
+def register_exit_criterion(name: str, criterion: ExitCriterion) -> None:
+    """Makes `exit_criterion=name` available to `generate` (in this process)."""
+    if not isinstance(criterion, ExitCriterion):
+        raise ValueError(f"`criterion` must be an ExitCriterion instance, got {type(criterion).__name__}.")
+    EXIT_CRITERIA[name] = criterion
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# settings
+# ---------------------------------------------------------------------------------------------------------------------
+# exit settings: generation settings (GenerationConfig attributes, generate kwargs, from_pretrained kwargs)
+EXIT_FIELDS = ("exit_criterion", "exit_threshold", "exit_policy", "exit_patience", "exit_kv", "exit_check_layers")
+EXIT_ARGUMENTS = ("early_exit",) + EXIT_FIELDS
+EXIT_POLICIES = ("batch", "row")
+EXIT_KV_MODES = ("immediate", "deferred")
+
+
+def _is_int(x):
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def check_exit_argument(name: str, value, exit_layers=None) -> None:
+    """Validates one exit setting alone (None = not set); a `ValueError` naming it and the allowed values."""
+    if value is None:
+        return
+    if name == "early_exit":
+        if not isinstance(value, bool):
+            raise ValueError(f"`early_exit` must be True, False or None, got {value!r}.")
+    elif name == "exit_criterion":
+        if not isinstance(value, ExitCriterion) and value not in EXIT_CRITERIA:
+            raise ValueError(f"`exit_criterion` must be one of {list(EXIT_CRITERIA)} (a str), an ExitCriterion or None, "
+                             f"got {value!r}.")
+    elif name == "exit_threshold":
+        values = value if isinstance(value, (list, tuple)) else [value]
+        if not values or any(isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) for v in values):
+            raise ValueError(f"`exit_threshold` must be a float or a non-empty list of floats (one per checked exit), "
+                             f"got {value!r}.")
+    elif name == "exit_policy":
+        if value not in EXIT_POLICIES:
+            raise ValueError(f"`exit_policy` must be one of {list(EXIT_POLICIES)}, got {value!r}.")
+    elif name == "exit_kv":
+        if value not in EXIT_KV_MODES:
+            raise ValueError(f"`exit_kv` must be one of {list(EXIT_KV_MODES)}, got {value!r}.")
+    elif name == "exit_patience":
+        if not _is_int(value) or value < 0 or value == 1:
+            raise ValueError(f"`exit_patience` must be 0 (off) or an integer >= 2, got {value!r}.")
+    elif name == "exit_check_layers":
+        if not isinstance(value, (list, tuple)) or not all(_is_int(v) for v in value):
+            raise ValueError(f"`exit_check_layers` must be a list of exit layer indices (ints), got {value!r}.")
+        if exit_layers is not None:
+            layers = list(value)
+            if not layers or layers != sorted(set(layers)) or any(v not in exit_layers for v in layers):
+                raise ValueError(f"`exit_check_layers` must be a sorted, non-empty subset of the exits {exit_layers}, "
+                                 f"got {value!r}.")
+    else:
+        raise ValueError(f"Unknown exit setting `{name}`: allowed names are {list(EXIT_ARGUMENTS)}.")
+
+
 @dataclass
 class ExitSettings:
     """Resolved early-exit decoding settings (see `resolve_exit_settings`)."""
 
-    criterion: str
+    criterion: ExitCriterion
     thresholds: dict  # checked exit layer -> threshold (inf: only the stable-token rule can fire)
     policy: str = "batch"
     patience: int = 0
     kv: str = "immediate"
-    forced: Callable | None = None  # benchmark only: forced(batch_size, device) -> (batch,) target exit layers
 
     @property
     def check_layers(self) -> list[int]:
@@ -57,94 +206,275 @@ class ExitSettings:
 
     @property
     def needs_logits(self) -> bool:
-        return self.criterion in LOGIT_CRITERIA or self.patience > 0
+        return self.criterion.needs_logits or self.patience > 0
 
 
-def resolve_exit_settings(config, early_exit=None, exit_criterion=None, exit_threshold=None, exit_policy=None,
-                          exit_patience=None, exit_kv=None, exit_check_layers=None, exit_forced=None):
-    """Merges `generate()` exit arguments with the defaults stored in `config`; None means full depth.
+def merged_exit_values(model, generation_config=None, kwargs=None) -> dict:
+    """Exit settings with transformers' precedence: `generate(**kwargs)` over `generate(generation_config=...)` over
+    `model.generation_config` (`generation_config.json`). Pops the exit names from `kwargs`."""
+    kwargs = {} if kwargs is None else kwargs
+    values = {}
+    for name in EXIT_ARGUMENTS:
+        value = kwargs.pop(name, None)
+        for source in (generation_config, getattr(model, "generation_config", None)):
+            if value is None and source is not None:
+                value = getattr(source, name, None)
+        values[name] = value
+    return values
 
-    Raises a `ValueError` naming the argument, the bad value and the allowed values.
+
+def resolve_exit_settings(config, values: dict) -> ExitSettings | None:
+    """Exit settings from `values` (EXIT_ARGUMENTS -> value or None), or None for full depth.
+
+    Raises a `ValueError` naming the argument, the bad value and the allowed values; exit settings given without a
+    criterion or threshold to act on raise too (never a silent full-depth decode).
     """
-    given = dict(exit_criterion=exit_criterion, exit_threshold=exit_threshold, exit_policy=exit_policy,
-                 exit_patience=exit_patience, exit_kv=exit_kv, exit_check_layers=exit_check_layers,
-                 exit_forced=exit_forced)
-    if early_exit not in (None, True, False):
-        raise ValueError(f"`early_exit` must be True, False or None, got {early_exit!r}.")
     exit_layers = list(config.exit_layers or [])
-    if not exit_layers:
-        named = [name for name, value in given.items() if value is not None]
-        if early_exit or named:
-            bad = named[0] if named else "early_exit"
-            raise ValueError(
-                f"`{bad}` was given but this model has no exit heads (`config.exit_layers` is empty); build one with "
-                "`ee_transformers.from_base(path, exit_layers=[...])`."
-            )
-        return None
+    for name, value in values.items():
+        check_exit_argument(name, value, exit_layers or None)
+    early_exit = values.get("early_exit")
+    named = [name for name in EXIT_FIELDS if values.get(name) is not None]
     if early_exit is False:
         return None
+    if not exit_layers:
+        if early_exit or named:
+            raise ValueError(f"`{named[0] if named else 'early_exit'}` was given but this model has no exit heads "
+                             "(`config.exit_layers` is empty); build one with "
+                             "`ee_transformers.from_base(path, exit_layers=[...])`.")
+        return None
 
-    def pick(name):
-        value = given[name]
-        return getattr(config, name, None) if value is None else value
-
-    criterion, threshold, patience = pick("exit_criterion"), pick("exit_threshold"), pick("exit_patience") or 0
-    policy, kv, check_layers = pick("exit_policy") or "batch", pick("exit_kv") or "immediate", pick("exit_check_layers")
-    if exit_forced is not None:
-        if not callable(exit_forced):
-            raise ValueError(f"`exit_forced` must be a callable (batch_size, device) -> exit layers, got {exit_forced!r}.")
-        criterion, threshold = "forced", math.inf
+    criterion, threshold = values.get("exit_criterion"), values.get("exit_threshold")
+    patience = values.get("exit_patience") or 0
     if criterion is None and threshold is None and not patience:
-        if early_exit:
-            raise ValueError("`early_exit=True` needs `exit_criterion` and `exit_threshold` (or calibrated defaults "
-                             "stored in the model's config).")
-        return None  # nothing configured: full depth
-
-    if isinstance(patience, bool) or not isinstance(patience, int) or patience < 0 or patience == 1:
-        raise ValueError(f"`exit_patience` must be 0 (off) or an integer >= 2, got {patience!r}.")
-    if criterion is None:
-        criterion = "max_prob"
-    if criterion != "forced" and criterion not in EXIT_CRITERIA:
-        raise ValueError(f"`exit_criterion` must be one of {list(EXIT_CRITERIA)}, got {criterion!r}.")
-    if policy not in EXIT_POLICIES:
-        raise ValueError(f"`exit_policy` must be one of {list(EXIT_POLICIES)}, got {policy!r}.")
-    if kv not in EXIT_KV_MODES:
-        raise ValueError(f"`exit_kv` must be one of {list(EXIT_KV_MODES)}, got {kv!r}.")
+        if early_exit or named:
+            raise ValueError(f"`{named[0] if named else 'early_exit'}` was given but no exit criterion is set: pass "
+                             "`exit_criterion` and `exit_threshold` (or `exit_patience`), or store them in "
+                             "`model.generation_config`.")
+        return None
+    policy, kv = values.get("exit_policy") or "batch", values.get("exit_kv") or "immediate"
     if kv == "deferred" and policy == "row":
         raise ValueError("`exit_kv='deferred'` is supported with `exit_policy='batch'` only (rows of a batch would hold "
                          "different numbers of deferred tokens); use `exit_kv='immediate'` with `exit_policy='row'`.")
-    if criterion == "learned" and not getattr(config, "exit_confidence_heads", False):
-        raise ValueError("`exit_criterion='learned'` needs trained confidence heads, and this model has none; fit them "
-                         "with the training script's confidence stage, or use one of "
-                         f"{[c for c in EXIT_CRITERIA if c != 'learned']}.")
+    criterion = EXIT_CRITERIA[criterion or "max_prob"] if not isinstance(criterion, ExitCriterion) else criterion
+    criterion.validate(config)
 
-    if check_layers is None:
-        check_layers = exit_layers
-    check_layers = list(check_layers)
-    unknown = [layer for layer in check_layers if layer not in exit_layers]
-    if unknown or not check_layers or check_layers != sorted(set(check_layers)):
-        raise ValueError(f"`exit_check_layers` must be a sorted, non-empty subset of the exits {exit_layers}, "
-                         f"got {check_layers!r}.")
-
+    check_layers = list(values.get("exit_check_layers") or exit_layers)
+    if threshold is None:
+        threshold = criterion.default_threshold
     if threshold is None:
         if not patience:
-            raise ValueError(f"`exit_threshold` is required with `exit_criterion={criterion!r}`.")
+            raise ValueError("`exit_threshold` is required with `exit_criterion`; give a float or one per checked exit.")
         threshold = math.inf  # stable-token exits only
     thresholds = list(threshold) if isinstance(threshold, (list, tuple)) else [threshold] * len(check_layers)
     if len(thresholds) != len(check_layers):
         raise ValueError(f"`exit_threshold` has {len(thresholds)} values but {len(check_layers)} exits are checked "
                          f"({check_layers}); give one float or one per checked exit.")
-    low, high = SCORE_RANGES.get(criterion, (-math.inf, math.inf))
+    low, high = criterion.score_range
     for value in thresholds:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-            raise ValueError(f"`exit_threshold` must hold numbers, got {value!r}.")
         if value != math.inf and not low <= value <= high:
-            raise ValueError(f"`exit_threshold`={value!r} is outside the range of the {criterion!r} score: allowed "
+            raise ValueError(f"`exit_threshold`={value!r} is outside the range of the criterion's score: allowed "
                              f"values are {low} <= exit_threshold <= {high}.")
     return ExitSettings(criterion=criterion, thresholds=dict(zip(check_layers, map(float, thresholds))),
-                        policy=policy, patience=patience, kv=kv, forced=exit_forced)
+                        policy=policy, patience=patience, kv=kv)
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# one decoding step
+# ---------------------------------------------------------------------------------------------------------------------
+class StepState:
+    """What one decoding step remembers across its exit checks: stable-token runs, finished rows, the criterion's
+    per-step state."""
+
+    def __init__(self, settings, batch_size, device, unfinished):
+        self.prev_argmax = self.run = None
+        if settings.patience:
+            self.prev_argmax = torch.full((batch_size,), -1, dtype=torch.long, device=device)
+            self.run = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.finished = None if unfinished is None else unfinished.to(device) == 0
+        self.criterion_state = settings.criterion.begin_step(batch_size, device)
+
+
+class Decided:
+    """The rows decided in one step: each group's layer and logits, or its LM-head input when no logits were needed to
+    decide; those groups share one LM-head call when the step ends (one weight read instead of one per exit)."""
+
+    def __init__(self, batch_size):
+        self.batch_size, self.groups = batch_size, []
+
+    def add(self, rows, layer, logits=None, head_input=None):
+        self.groups.append((rows, layer, logits, head_input))
+
+    def finish(self, model):
+        """-> logits `(batch, vocab)` and exit layers `(batch,)`."""
+        waiting = [g for g in self.groups if g[2] is None]
+        if waiting:
+            with record_function("ee::final_head"):
+                head_input = torch.cat([g[3] for g in waiting])
+                computed = iter(model.family.head_logits(model, head_input).split([g[0].numel() for g in waiting]))
+            self.groups = [(r, layer, next(computed) if x is None else x, None) for r, layer, x, _ in self.groups]
+        first = self.groups[0][2]
+        logits = first.new_zeros(self.batch_size, first.shape[-1])
+        exit_layers = torch.full((self.batch_size,), -1, dtype=torch.long, device=first.device)
+        for rows, layer, group_logits, _ in self.groups:
+            logits.index_copy_(0, rows, group_logits)
+            exit_layers.index_fill_(0, rows, layer)
+        return logits, exit_layers
+
+
+def check_exit(model, settings, layer, h_out, h_in, rows, state):
+    """One exit check for the running rows; h_out / h_in `(n, D)`, rows `(n,)`. Returns (a boolean `(n,)` exit
+    decision, logits `(n, V)` or None, the exit head's output `(n, D)` or None): whatever the check computed, so
+    `decide` does not compute it again."""
+    index = model.config.exit_layers.index(layer)
+    criterion = settings.criterion
+    with record_function("ee::head_check"):
+        logits = model.exit_logits_from_hidden(index, h_out) if settings.needs_logits else None
+        head_out = model.exit_heads[index](h_out) if criterion.needs_head_output else None
+        check = Check(model, layer, index, h_out, h_in, rows, logits, head_out, state.criterion_state)
+        confident = criterion.score(check) >= settings.thresholds[layer]
+        if settings.patience:  # stable-token rule: this head and the k-1 checked before it agree on the argmax
+            argmax = logits.argmax(-1)
+            same = argmax == state.prev_argmax.index_select(0, rows)
+            run = torch.where(same, state.run.index_select(0, rows) + 1, torch.ones_like(argmax))
+            state.prev_argmax.index_copy_(0, rows, argmax)
+            state.run.index_copy_(0, rows, run)
+            confident = confident | (run >= settings.patience)
+        if state.finished is not None:  # a finished row never holds anything back
+            confident = confident | state.finished.index_select(0, rows)
+        if settings.policy == "batch":
+            confident = confident.all().expand_as(confident)
+    return confident, logits, head_out
+
+
+def decide(model, decided, layer, h_last, idx, rows, logits=None, head_out=None):
+    """Records rows `rows[idx]` as decided at `layer`: with the check's logits when it computed them, else with the
+    exit head's (or final norm's) output, for the one LM-head call at the end of the step."""
+    with record_function("ee::exit_heads"):
+        if logits is not None:
+            decided.add(rows.index_select(0, idx), layer, logits=logits.index_select(0, idx))
+        elif head_out is not None:
+            decided.add(rows.index_select(0, idx), layer, head_input=head_out.index_select(0, idx))
+        else:
+            decided.add(rows.index_select(0, idx), layer, head_input=model.head_input(layer, h_last.index_select(0, idx)))
+
+
+def backfill_kv(model, layer_idx, states, inputs):
+    """K/V of layer `layer_idx` for exit states `(n, q, D)` that skipped it: its input norm, K/V projections, k-norm,
+    rotary, through the module calls (so LoRA / quantized projections work)."""
+    with record_function("ee::backfill"):
+        return model.family.key_value(model, layer_idx, states, inputs)
+
+
+def prefill(model, h, attention_mask, position_ids, cache, settings, state):
+    """Every layer runs for every position of h `(B, q, D)`, so the prompt's K/V are complete; the token of each row
+    comes from the first checked exit whose criterion holds at the last position."""
+    fam, num_layers = model.family, model.config.num_hidden_layers
+    inputs = fam.layer_inputs(model, h, attention_mask, cache, position_ids)
+    at_exit = {}  # exit layer -> (state leaving it, state entering it), (B, D) at the last position
+    for j in range(num_layers):
+        h_in = h
+        with record_function("ee::layer"):
+            h = fam.run_layer(model, j, h, inputs, cache)
+        if j in settings.thresholds:
+            at_exit[j] = (h[:, -1], h_in[:, -1])
+    rows = torch.arange(h.shape[0], device=h.device)  # undecided rows
+    decided = Decided(h.shape[0])
+    for j in settings.check_layers:
+        h_out, h_in = (t.index_select(0, rows) for t in at_exit[j])
+        confident, logits, head_out = check_exit(model, settings, j, h_out, h_in, rows, state)
+        idx = confident.nonzero().squeeze(1)
+        if idx.numel():
+            decide(model, decided, j, h_out, idx, rows, logits, head_out)
+            rows = rows.index_select(0, (~confident).nonzero().squeeze(1))
+            if rows.numel() == 0:
+                return decided.finish(model)
+    last = h[:, -1].index_select(0, rows)
+    decide(model, decided, num_layers - 1, last, torch.arange(rows.numel(), device=h.device), rows)
+    return decided.finish(model)
+
+
+def decode_one_token(model, h, attention_mask, mask_2d, position_ids, cache, settings, state):
+    """One decoding step, h `(B, 1, D)`, that stops each row at its exit.
+
+    Row policy: exited rows leave the running batch; a deeper layer runs only for the rows still going, and the cache
+    still gets one full-batch update per layer (exited rows' K/V backfilled from their exit states). Batch policy: the
+    same, with all rows leaving together. Deferred K/V: skipped layers get no K/V now; the exit states wait in the
+    cache and join the next token that runs those layers.
+    """
+    fam, num_layers, batch = model.family, model.config.num_hidden_layers, h.shape[0]
+    deferred = settings.kv == "deferred"
+    step_inputs = fam.layer_inputs(model, h, attention_mask, cache, position_ids)  # the full batch's
+    inputs = step_inputs  # the running rows' (and, deferred, the pending tokens')
+    rows = torch.arange(batch, device=h.device)  # running rows (batch indices)
+    exited_rows, exited_states = [], []  # row policy: rows that stopped so far, their exit states (n, 1, D)
+    decided = Decided(batch)
+    layer_cache = cache  # what the layers see: the cache, or a view of it for the running rows
+
+    for j in range(num_layers):
+        if deferred and (entry := cache.pop_pending(j)) is not None:
+            # tokens that skipped layer j earlier run it now, ahead of the current token (they are earlier)
+            h = torch.cat([entry.states, h], dim=1)  # (B, pending + 1, D)
+            pos = torch.cat([entry.position_ids, inputs.position_ids], dim=1)
+            inputs = fam.layer_inputs(model, h, mask_2d, cache, pos, layer_idx=j)
+        h_in = h
+        with record_function("ee::layer"):
+            h = fam.run_layer(model, j, h, inputs, layer_cache)
+        if j not in settings.thresholds:
+            continue
+        confident, logits, head_out = check_exit(model, settings, j, h[:, -1], h_in[:, -1], rows, state)
+        idx = confident.nonzero().squeeze(1)  # the one host sync of this check
+        if idx.numel() == 0:
+            continue
+        decide(model, decided, j, h[:, -1], idx, rows, logits, head_out)
+        if idx.numel() == rows.numel():  # every running row has exited at j
+            if deferred:
+                cache.add_pending(j + 1, h, inputs.position_ids)
+                return decided.finish(model)
+            done_rows, done_states = torch.cat(exited_rows + [rows]), torch.cat(exited_states + [h])
+            states = done_states.index_select(0, torch.argsort(done_rows))  # (B, 1, D), back in batch order
+            for skipped in range(j + 1, num_layers):
+                cache.update(*backfill_kv(model, skipped, states, step_inputs), skipped)
+            return decided.finish(model)
+        # some rows exit: the rest go on as a smaller batch, through a view of the cache that backfills the others
+        keep = (~confident).nonzero().squeeze(1)
+        exited_rows.append(rows.index_select(0, idx))
+        exited_states.append(h.index_select(0, idx))
+        rows, h = rows.index_select(0, keep), h.index_select(0, keep)
+        done_rows, done_states = torch.cat(exited_rows), torch.cat(exited_states)
+        done_inputs, inputs = step_inputs.select(done_rows, batch), step_inputs.select(rows, batch)
+        layer_cache = RowSubsetCache(cache, rows, _filler(model, batch, done_rows, done_states, done_inputs))
+
+    decide(model, decided, num_layers - 1, h[:, -1], torch.arange(rows.numel(), device=h.device), rows)
+    return decided.finish(model)
+
+
+def _filler(model, batch, done_rows, done_states, done_inputs):
+    """`fill(layer_idx)`: full-batch K/V at `layer_idx` with the exited rows backfilled (zeros elsewhere)."""
+
+    def fill(layer_idx):
+        k, v = backfill_kv(model, layer_idx, done_states, done_inputs)
+        shape = (batch, *k.shape[1:])
+        return (k.new_zeros(shape).index_copy_(0, done_rows, k), v.new_zeros(shape).index_copy_(0, done_rows, v))
+
+    return fill
+
+
+def early_exit_step(model, input_ids, attention_mask, position_ids, cache, settings, unfinished=None, mask_2d=None):
+    """One forward of early-exit decoding: `input_ids` `(B, q)` -> logits `(B, V)` of each row's deciding head and
+    its exit layers `(B,)`. The prefill (q > 1 or an empty cache) runs full depth; a decoding step stops early."""
+    h = model.family.embed(model, input_ids, position_ids)  # (B, q, D)
+    if position_ids is None:
+        position_ids = (torch.arange(h.shape[1], device=h.device) + cache.get_seq_length()).unsqueeze(0)
+    state = StepState(settings, h.shape[0], h.device, unfinished)
+    if h.shape[1] > 1 or cache.get_seq_length() == 0:
+        return prefill(model, h, attention_mask, position_ids, cache, settings, state)
+    mask_2d = attention_mask if mask_2d is None else mask_2d
+    return decode_one_token(model, h, attention_mask, mask_2d, position_ids, cache, settings, state)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the generate loop
+# ---------------------------------------------------------------------------------------------------------------------
 @dataclass
 class GenerateEarlyExitOutput(GenerateDecoderOnlyOutput):
     """`GenerateDecoderOnlyOutput` plus `exit_layers`: `(batch, new_tokens)` decoder-layer index at which each token
@@ -164,10 +494,23 @@ def exit_layers_after_eos(new_tokens: torch.Tensor, eos_token_id, full_depth: in
     return layers.masked_fill(finished_before, -1)
 
 
-def early_exit_sample(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
-                      streamer=None, **model_kwargs):
-    """The decoding loop of `generate` with early exit: transformers' sampling loop, except that the model returns,
-    per row, the logits of the head the row exited at and that head's layer index, and is told which rows finished."""
+def _step_inputs(model, input_ids, model_kwargs, first):
+    """The next forward's ids, mask and positions, prepared by transformers' own `prepare_inputs_for_generation`:
+    the prompt first (only its part beyond what a passed-in cache already holds), then one token per step."""
+    if first:
+        past = model_kwargs["cache"].get_seq_length()
+        length = input_ids.shape[1] - past if past else None
+        inputs = model.prepare_inputs_for_generation(input_ids, next_sequence_length=length, is_first_iteration=True,
+                                                     **model_kwargs)
+    else:
+        inputs = model.prepare_inputs_for_generation(input_ids, next_sequence_length=1, **model_kwargs)
+    return inputs["input_ids"], inputs.get("attention_mask"), inputs.get("position_ids")
+
+
+def early_exit_generate(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
+                        exit_settings=None, exit_streamer=None, **model_kwargs):
+    """The decoding loop `generate` runs with early exit (passed as `custom_generate`): transformers' sampling loop,
+    except that each step's logits come from the head each row exited at (`early_exit_step`)."""
     pad_token_id = generation_config._pad_token_tensor
     has_eos_stopping_criteria = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
     return_dict = generation_config.return_dict_in_generate
@@ -179,62 +522,52 @@ def early_exit_sample(model, input_ids, logits_processor, stopping_criteria, gen
         pad_token_id = pad_token_id.to(input_ids.device)
 
     batch_size = input_ids.shape[0]
-    unfinished_sequences = torch.ones(batch_size, dtype=torch.long, device=input_ids.device)
-    model_kwargs["cache"] = EarlyExitCache.from_cache(model_kwargs["cache"])
-    model_kwargs["exit_unfinished"] = unfinished_sequences
+    unfinished = torch.ones(batch_size, dtype=torch.long, device=input_ids.device)
+    cache = model_kwargs["cache"] = EarlyExitCache.from_cache(model_kwargs["cache"])
     step_exit_layers = []
-    this_peer_finished = False
+    if exit_streamer is not None:  # generate streams the prompt first; it left the streamer to this loop
+        exit_streamer.put(input_ids.cpu())
+    first = True
+    while model._has_unfinished_sequences(not bool(unfinished.max()), synced_gpus, device=input_ids.device):
+        ids, mask, position_ids = _step_inputs(model, input_ids, model_kwargs, first)
+        logits, exit_layers = early_exit_step(model, ids, mask, position_ids, cache, exit_settings, unfinished,
+                                              mask_2d=model_kwargs.get("attention_mask"))
+        first = False
+        model_kwargs = model._update_model_kwargs_for_generation({"cache": cache}, model_kwargs)
 
-    outputs = model._prefill(input_ids, generation_config, model_kwargs)
-    prefill_consumed = False
-    while model._has_unfinished_sequences(this_peer_finished, synced_gpus, device=input_ids.device):
-        if prefill_consumed:
-            model_inputs = model.prepare_inputs_for_generation(input_ids, next_sequence_length=1, **model_kwargs)
-            # compileable caches get a prepared 4D mask; deferred KV also needs the 2D padding mask
-            model_inputs["exit_attention_mask"] = model_kwargs.get("attention_mask")
-            outputs = model(**model_inputs, return_dict=True)
-        prefill_consumed = True
-        model_kwargs = model._update_model_kwargs_for_generation(outputs, model_kwargs, is_encoder_decoder=False)
-
-        next_token_logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=input_ids.device)
+        next_token_logits = logits.to(copy=True, dtype=torch.float32, device=input_ids.device)  # (B, V)
         next_token_scores = logits_processor(input_ids, next_token_logits)
         if scores is not None:
             scores += (next_token_scores,)
         if raw_logits is not None:
             raw_logits += (next_token_logits,)
-
         if generation_config.do_sample:
-            probs = torch.nn.functional.softmax(next_token_scores, dim=-1)
+            probs = nn.functional.softmax(next_token_scores, dim=-1)
             next_tokens = torch.multinomial(probs, num_samples=1).squeeze(1)
         else:
             next_tokens = torch.argmax(next_token_scores, dim=-1)
-        exit_layers = outputs.exit_layers.to(input_ids.device)
+        exit_layers = exit_layers.to(input_ids.device)
         if has_eos_stopping_criteria:
-            next_tokens = next_tokens * unfinished_sequences + pad_token_id * (1 - unfinished_sequences)
-            exit_layers = exit_layers.masked_fill(unfinished_sequences == 0, -1)
+            next_tokens = next_tokens * unfinished + pad_token_id * (1 - unfinished)
+            exit_layers = exit_layers.masked_fill(unfinished == 0, -1)
         step_exit_layers.append(exit_layers)
 
         input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
-        if streamer is not None:
-            streamer.put(next_tokens.cpu())
-        unfinished_sequences = unfinished_sequences & ~stopping_criteria(input_ids, scores)
-        model_kwargs["exit_unfinished"] = unfinished_sequences
-        this_peer_finished = unfinished_sequences.max() == 0
-        del outputs
+        if exit_streamer is not None:
+            exit_streamer.put(next_tokens.cpu())
+        unfinished = unfinished & ~stopping_criteria(input_ids, scores)
 
-    if streamer is not None:
-        streamer.end()
+    if exit_streamer is not None:
+        exit_streamer.end()
     if not return_dict:
         return input_ids
-    return GenerateEarlyExitOutput(
-        sequences=input_ids,
-        scores=scores,
-        logits=raw_logits,
-        cache=model_kwargs.get("cache"),
-        exit_layers=torch.stack(step_exit_layers, dim=1),
-    )
+    return GenerateEarlyExitOutput(sequences=input_ids, scores=scores, logits=raw_logits, cache=cache,
+                                   exit_layers=torch.stack(step_exit_layers, dim=1))
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# statistics
+# ---------------------------------------------------------------------------------------------------------------------
 @dataclass
 class ExitStats:
     """Summary of where generated tokens exited.
@@ -278,5 +611,10 @@ class ExitStats:
                 f"{100 * self.compute_saved:.1f}% of layer compute skipped; histogram {{{hist}}}")
 
 
-__all__ = ["ExitSettings", "ExitStats", "GenerateEarlyExitOutput", "resolve_exit_settings", "early_exit_sample",
-           "logit_score", "EXIT_ARGUMENTS", "LOGIT_CRITERIA"]
+__all__ = [
+    "EXIT_ARGUMENTS", "EXIT_CRITERIA", "EXIT_FIELDS", "EXIT_KV_MODES", "EXIT_POLICIES", "LOGIT_CRITERIA",
+    "Check", "Decided", "ExitCriterion", "ExitSettings", "ExitStats", "GenerateEarlyExitOutput", "StepState",
+    "backfill_kv", "check_exit", "check_exit_argument", "decide", "decode_one_token", "early_exit_generate",
+    "early_exit_step", "exit_layers_after_eos", "logit_score", "merged_exit_values", "prefill",
+    "register_exit_criterion", "resolve_exit_settings",
+]

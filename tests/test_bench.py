@@ -131,7 +131,7 @@ def test_instrumentation_leaves_the_models_as_they_were(ee_folder):
     ee, plain = bench.load_models(ee_folder)
     assert plain.model is ee.model and plain.lm_head is ee.lm_head, "the plain twin must run on the same modules"
     batch = bench.make_batches(bench.random_prompts(99, 2, window=6), 2, 1)[0]
-    prof = bench.profile_step(ee, batch, 4, {"exit_forced": bench.forced_profile("mixed", ee),
+    prof = bench.profile_step(ee, batch, 4, {"exit_criterion": bench.ForcedExits(bench.forced_profile("mixed", ee)),
                                              "exit_check_layers": [1, 2], "exit_policy": "row"})
     assert prof["parts_ms"]["layers"] > 0
     for model in (ee, plain):

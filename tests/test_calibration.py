@@ -115,7 +115,7 @@ def test_calibrate_meets_target_and_generate_uses_it(fitted, tmp_path):
     apply_calibration(model, report)
     out = save_model_folder(model, tmp_path / "calibrated", tiny_tokenizer())
     reloaded = eet.from_base(out)
-    assert reloaded.config.exit_check_layers == report["chosen"]["check_layers"]
+    assert reloaded.exit_defaults["exit_check_layers"] == report["chosen"]["check_layers"]
     gen = reloaded.generate(heldout[:2, :8], max_new_tokens=12, return_dict_in_generate=True)  # no exit arguments
     allowed = set(report["chosen"]["check_layers"]) | {reloaded.config.num_hidden_layers - 1}
     used = set(gen.exit_layers.flatten().tolist()) - {-1}
@@ -126,12 +126,12 @@ def test_calibrate_meets_target_and_generate_uses_it(fitted, tmp_path):
 def test_calibrate_leaves_exits_off_when_nothing_pays(fitted):
     folder, _, heldout = fitted
     model = eet.from_base(folder)
-    model.config.exit_criterion, model.config.exit_threshold = "max_prob", 0.5  # stale settings must be cleared
+    model.set_exit_defaults(exit_criterion="max_prob", exit_threshold=0.5)  # stale settings must be cleared
     report = calibrate(model, heldout, target_agreement=0.99,
                        costs={"head_cost": 50.0, "check_cost": 50.0, "backfill_cost": 1.0})
     assert report["chosen"] is None and "off" in report["message"]
     apply_calibration(model, report)
-    assert model.config.exit_criterion is None and model.config.exit_threshold is None
+    assert model.exit_defaults["exit_criterion"] is None and model.exit_defaults["exit_threshold"] is None
     gen = model.generate(heldout[:1, :6], max_new_tokens=4, return_dict_in_generate=True)
     assert (gen.exit_layers == model.config.num_hidden_layers - 1).all()
 
@@ -152,8 +152,9 @@ def test_cli_calibrate_in_place(fitted, tmp_path):
     argv = [str(work), "--data", *files, "--block-size", "32", "--target-agreement", "0.6", "--costs", json.dumps(FREE)]
     assert main(argv) == 0
     report = json.loads((work / "calibration.json").read_text())
-    config = json.loads((work / "config.json").read_text())
-    assert config["exit_criterion"] == "max_prob" and config["exit_check_layers"] == report["chosen"]["check_layers"]
+    stored = json.loads((work / "generation_config.json").read_text())  # exit settings are generation settings
+    assert stored["exit_criterion"] == "max_prob" and stored["exit_check_layers"] == report["chosen"]["check_layers"]
+    assert "exit_criterion" not in json.loads((work / "config.json").read_text())
     card = (work / "README.md").read_text()
     assert "FITTED-HERE" in card, "the training section survives calibration"
     assert "B (reported)" in card
@@ -181,7 +182,7 @@ def test_calibrate_learned_and_cosine_criteria(fitted):
         assert report["chosen"] is not None and report["selection_A"]["agreement"] >= 0.5, report["message"]
         apply_calibration(model, report)
         out = model.generate(heldout[:1, :6], max_new_tokens=4, return_dict_in_generate=True)
-        assert out.exit_layers.shape[0] == 1 and model.config.exit_criterion == criterion  # (may stop at EOS)
+        assert out.exit_layers.shape[0] == 1 and model.exit_defaults["exit_criterion"] == criterion  # (may stop at EOS)
 
 
 def test_on_policy_agreement_full_depth_is_exact(fitted):

@@ -5,8 +5,10 @@ import copy
 import pytest
 import torch
 from transformers.generation.streamers import BaseStreamer
+from transformers.models.llama.modeling_llama import rotate_half
 
 import ee_transformers as eet
+from ee_transformers.tools.bench import ForcedExits
 from conftest import padded_batch
 
 LAYERS = 4  # tiny models: 4 decoder layers, exits after 0, 1, 2, final = 3
@@ -88,7 +90,7 @@ def test_no_exit_settings_equals_base(base_dirs, family, cache_implementation):
     kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, cache_implementation=cache_implementation)
     expected = base.generate(ids, **kwargs)
     assert torch.equal(model.generate(ids, **kwargs), expected)
-    model.config.exit_criterion, model.config.exit_threshold = "max_prob", 0.0  # stored settings ...
+    model.set_exit_defaults(exit_criterion="max_prob", exit_threshold=0.0)  # stored settings ...
     assert not torch.equal(model.generate(ids, **kwargs), expected)
     assert torch.equal(model.generate(ids, early_exit=False, **kwargs), expected)  # ... and early_exit=False
 
@@ -145,9 +147,16 @@ def test_immediate_backfill_equals_skipped_layers_projections(base_dirs, family_
     new = slice(ids.shape[1] + 1, cached.shape[1])  # tokens decided by a decoding step (not the prompt)
     for j in (2, 3):
         layer = model.model.layers[j]
-        emb = model.model.rotary_emb(exit_states, positions)
-        with torch.no_grad():
-            keys, values = model.family.key_value(layer.self_attn, layer.input_layernorm(exit_states), emb)
+        cos, sin = (t.unsqueeze(1) for t in model.model.rotary_emb(exit_states, positions))
+        with torch.no_grad():  # the layer's own modules, written out: input norm, projections, k-norm, rotary
+            x = layer.input_layernorm(exit_states)
+            shape = (*x.shape[:-1], -1, layer.self_attn.head_dim)
+            keys = layer.self_attn.k_proj(x).view(shape)
+            if hasattr(layer.self_attn, "k_norm"):
+                keys = layer.self_attn.k_norm(keys)
+            keys = keys.transpose(1, 2)
+            keys = keys * cos + rotate_half(keys) * sin
+            values = layer.self_attn.v_proj(x).view(shape).transpose(1, 2)
         torch.testing.assert_close(out.cache.layers[j].keys[:, :, new], keys[:, :, new], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(out.cache.layers[j].values[:, :, new], values[:, :, new], rtol=1e-5, atol=1e-5)
     for j in range(LAYERS):  # every layer holds every position
@@ -155,7 +164,7 @@ def test_immediate_backfill_equals_skipped_layers_projections(base_dirs, family_
 
 
 def forced_schedule(targets):
-    """exit_forced callable: decoding step s (0 = prefill) exits at targets[s] for every row."""
+    """Targets for ForcedExits: decoding step s (0 = prefill) exits at targets[s] for every row."""
     step = {"n": 0}
 
     def fn(batch_size, device):
@@ -173,7 +182,7 @@ def test_deferred_kv_becomes_exact_after_a_deep_token(base_dirs, cache_implement
     ids, mask = padded_batch()
     # prefill full, two tokens exit after layer 0 / 1, then one full-depth token
     out = model.generate(ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False, exit_kv="deferred",
-                         exit_forced=forced_schedule([3, 0, 1, 3]), cache_implementation=cache_implementation,
+                         exit_criterion=ForcedExits(forced_schedule([3, 0, 1, 3])), cache_implementation=cache_implementation,
                          return_dict_in_generate=True)
     assert out.exit_layers.tolist() == [[3, 0, 1, 3]] * ids.shape[0]
     assert out.cache.num_pending == 0
@@ -191,7 +200,7 @@ def test_deferred_kv_becomes_exact_after_a_deep_token(base_dirs, cache_implement
     # while tokens are pending, the deep layers do not hold them yet
     partial = model.generate(ids, attention_mask=mask, max_new_tokens=3, min_new_tokens=3, do_sample=False,
                              exit_kv="deferred",
-                             exit_forced=forced_schedule([3, 0, 1]), return_dict_in_generate=True)
+                             exit_criterion=ForcedExits(forced_schedule([3, 0, 1])), return_dict_in_generate=True)
     assert partial.cache.num_pending == 2
     assert partial.cache.layers[0].keys.shape[2] == partial.cache.layers[3].keys.shape[2] + 2
 
@@ -241,7 +250,7 @@ def test_row_policy_runs_deep_layers_only_for_unconfident_rows(base_dirs):
     targets = torch.tensor([0, 3, 0])
     counter = LayerCounter(model)
     out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, exit_policy="row",
-                         exit_forced=lambda b, d: targets.to(d), return_dict_in_generate=True)
+                         exit_criterion=ForcedExits(lambda b, d: targets.to(d)), return_dict_in_generate=True)
     counter.remove()
     assert out.exit_layers.tolist() == [[0] * 4, [3] * 4, [0] * 4]
     assert counter.rows == [3 * 4, 3 + 3, 3 + 3, 3 + 3]  # layers 1-3: prefill 3 rows, then 1 row per step

@@ -24,7 +24,6 @@ Python API: `load_models`, `plain_twin`, `heldout_prompts`, `compare`, `compare_
 
 import argparse
 import copy
-import functools
 import json
 import math
 import os
@@ -44,7 +43,7 @@ import torch
 import transformers
 
 from ee_transformers.tools.costs import ideal_speedup, measure_costs
-from ee_transformers.generation_early_exit import ExitStats, resolve_exit_settings
+from ee_transformers.generation_early_exit import ExitCriterion, ExitStats, merged_exit_values, resolve_exit_settings
 from ee_transformers.modeling_early_exit import EarlyExitMixin
 
 __all__ = [
@@ -231,8 +230,26 @@ def _profile_layers(spec, model):
     return dict(sorted(layers.items()))
 
 
+class ForcedExits(ExitCriterion):
+    """An exit criterion that ignores confidence: `targets(batch_size, device)` gives, once per decoding step, each
+    row's exit layer `(batch,)`, and a row exits at the first checked exit at or above its target. The benchmark's
+    forced profiles measure the implementation apart from the heads with it; pass it as `exit_criterion=`."""
+
+    name = "forced"
+    default_threshold = 1.0
+
+    def __init__(self, targets):
+        self.targets = targets
+
+    def begin_step(self, batch_size, device):
+        return self.targets(batch_size, device).to(device)
+
+    def score(self, check):
+        return (check.step.index_select(0, check.rows) <= check.layer).float()
+
+
 class ForcedProfile:
-    """`exit_forced` callable drawing each token's exit layer from a profile, stratified: every block of `block`
+    """Targets for `ForcedExits`, drawing each token's exit layer from a profile, stratified: every block of `block`
     draws holds the profile's shares exactly (in a random order), so short runs follow the profile closely.
 
     per_row: a draw per row (row policy); otherwise one draw per step shared by the batch (batch policy, where a
@@ -269,8 +286,8 @@ class ForcedProfile:
 
 
 def forced_profile(name, model, per_row=True, seed=0):
-    """The `exit_forced` callable for profile `name` (a key of `FORCED_PROFILES` / `FORCED_GRID`, or a dict
-    {depth fraction: share}) on `model`'s exits. Pass it with `exit_check_layers=profile.check_layers`."""
+    """The targets for profile `name` (a key of `FORCED_PROFILES` / `FORCED_GRID`, or a dict {depth fraction: share})
+    on `model`'s exits. Pass `exit_criterion=ForcedExits(profile)` with `exit_check_layers=profile.check_layers`."""
     spec = name if isinstance(name, dict) else {**FORCED_GRID, **FORCED_PROFILES}[name]
     label = name if isinstance(name, str) else "custom"
     return ForcedProfile(label, _profile_layers(spec, model), per_row=per_row, seed=seed)
@@ -293,7 +310,7 @@ def _generate_kwargs(model, config):
     if forced is not None:
         profile = forced_profile(forced["profile"], model, per_row=kwargs.get("exit_policy") == "row",
                                  seed=forced.get("seed", 0))
-        kwargs.update(exit_forced=profile, exit_check_layers=profile.check_layers)
+        kwargs.update(exit_criterion=ForcedExits(profile), exit_check_layers=profile.check_layers)
     return kwargs
 
 
@@ -310,39 +327,27 @@ def _generation_config(model, new_tokens):
 
 
 class _PrefillTimer:
-    """Times the first forward call of a generate (the prefill), so decoding steps can be timed without it. Wraps
-    `model.forward` with an instance attribute for the duration, restoring whatever was there."""
+    """Times the prefill of a generate: from the first input-embedding call to the second (the start of the first
+    decoding step), through a forward pre-hook on the embeddings, so it works alike for the plain loop and the
+    early-exit loop (which does not call `model.forward`)."""
 
     def __init__(self, model):
         self.model, self.calls, self.seconds = model, 0, 0.0
 
+    def _hook(self, module, args):
+        self.calls += 1
+        if self.calls <= 2:
+            _sync(self.model.device)
+            now = time.perf_counter()
+            self.seconds = now - self.start if self.calls == 2 else 0.0
+            self.start = now
+
     def __enter__(self):
-        model = self.model
-        self.saved = model.__dict__.get("forward")
-        original = model.forward
-
-        @functools.wraps(original)  # generate() validates its kwargs against forward's signature
-        def forward(*args, **kwargs):
-            self.calls += 1
-            if self.calls > 1:
-                return original(*args, **kwargs)
-            device = model.device
-            _sync(device)
-            start = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                _sync(device)
-                self.seconds = time.perf_counter() - start
-
-        model.forward = forward
+        self.handle = self.model.get_input_embeddings().register_forward_pre_hook(self._hook)
         return self
 
     def __exit__(self, *exc):
-        if self.saved is None:
-            del self.model.forward
-        else:
-            self.model.forward = self.saved
+        self.handle.remove()
 
 
 @torch.no_grad()
@@ -405,10 +410,15 @@ def _exit_summary(model, exit_layers):
             "compute_saved": stats.compute_saved, "tokens": stats.num_tokens}
 
 
+def _settings(model, exit_kwargs):
+    """The resolved exit settings of generate(**exit_kwargs) on `model` (None: full depth)."""
+    return resolve_exit_settings(model.config, merged_exit_values(model, None, dict(exit_kwargs)))
+
+
 def _ideal(settings, exit_layers, costs):
     if settings is None or costs is None:
         return 1.0 if settings is None else math.nan
-    return ideal_speedup(costs, exit_layers, settings.check_layers, settings.criterion, settings.needs_logits,
+    return ideal_speedup(costs, exit_layers, settings.check_layers, settings.criterion.name, settings.needs_logits,
                          settings.kv, include_prefill=False)
 
 
@@ -461,7 +471,7 @@ def compare_many(ee_model, plain_model, batches, new_tokens, configs, repeats=3,
                 record["e2e_ratio"].append(plain_total_ms / ee_total_ms)
                 record["ee_ms"].append(ee_step_ms)
                 record["exit_layers"].append(out.exit_layers.cpu())
-                settings = resolve_exit_settings(ee_model.config, **config_kwargs[k])
+                settings = _settings(ee_model, config_kwargs[k])
                 ideal = _ideal(settings, out.exit_layers.cpu(), costs)
                 record["ideal"].append(ideal)
                 record["realised_over_ideal"].append(plain_step_ms / ee_step_ms / ideal if ideal else math.nan)
@@ -476,7 +486,7 @@ def compare_many(ee_model, plain_model, batches, new_tokens, configs, repeats=3,
                         f"{configs[k]['name']} {per[k]['ratio'][-1]:.2f}x" for k in range(len(configs))))
     results = []
     for config, record in zip(configs, per):
-        settings = resolve_exit_settings(ee_model.config, **_generate_kwargs(ee_model, config))
+        settings = _settings(ee_model, _generate_kwargs(ee_model, config))
         rows = record["agreement_rows"]
         compared = sum(r["compared"] for r in rows)
         by_domain = {}
@@ -510,7 +520,7 @@ def compare_many(ee_model, plain_model, batches, new_tokens, configs, repeats=3,
             "realised_over_ideal": _summarise(record["realised_over_ideal"]),
         }
         if config.get("forced") is not None:
-            profile = _generate_kwargs(ee_model, config)["exit_forced"]
+            profile = _generate_kwargs(ee_model, config)["exit_criterion"].targets
             result["forced"] = {**config["forced"], "layers": {str(k): v for k, v in profile.layers.items()},
                                 "requested_mean_exit_layer": profile.mean_exit_layer}
         results.append(result)
@@ -538,99 +548,66 @@ def compare(ee_model, plain_model, prompts, batch_size=1, new_tokens=128, exit_k
 # ----------------------------------------------------------------------------------------------------------------
 
 
-class _StepProfiler:
-    """Exclusive wall time per category during a generate: decoder layers, head checks, exit heads, backfill, the
-    final head; the rest of a step is "other" (the decoding loop, masks, sampling: Python overhead). The prefill
-    (first forward) is left out."""
+PROFILE_LABELS = {"ee::layer": "layers", "ee::head_check": "head_checks", "ee::exit_heads": "exit_heads",
+                  "ee::backfill": "backfill", "ee::final_head": "final_head"}
+
+
+class _PlainLabels:
+    """Gives a plain model the runtime's `record_function` labels (decoder layers, the LM head), through module
+    hooks, so one profile reads both; the early-exit runtime carries its labels itself."""
 
     def __init__(self, model):
-        self.model, self.device = model, model.device
-        self.totals = defaultdict(float)
-        self.stack = []
-        self.forward_calls = 0
-        self.handles, self.patched = [], []
+        self.model, self.handles, self.open = model, [], []
 
-    def _now(self):
-        _sync(self.device)
-        return time.perf_counter()
+    def _pre(self, label):
+        def hook(*args):
+            scope = torch.profiler.record_function(label)
+            scope.__enter__()
+            self.open.append(scope)
+        return hook
 
-    def enter(self, category):
-        self.stack.append([category, self._now(), 0.0])
-
-    def exit(self):
-        category, start, children = self.stack.pop()
-        duration = self._now() - start
-        if self.forward_calls > 1:  # decode steps only
-            self.totals[category] += duration - children
-        if self.stack:
-            self.stack[-1][2] += duration
-
-    def _wrap(self, name, category):
-        original = getattr(self.model, name)
-
-        @functools.wraps(original)
-        def wrapped(*args, **kwargs):
-            self.enter(category)
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self.exit()
-
-        setattr(self.model, name, wrapped)  # instance attribute shadows the method; removed in close()
-        self.patched.append(name)
+    def _post(self, *args):
+        self.open.pop().__exit__(None, None, None)
 
     def __enter__(self):
-        model = self.model
-        original_forward = model.forward
-
-        @functools.wraps(original_forward)  # generate() validates its kwargs against forward's signature
-        def forward(*args, **kwargs):
-            self.forward_calls += 1  # call 1 is the prefill: not counted
-            return original_forward(*args, **kwargs)
-
-        model.forward = forward
-        self.patched.append("forward")
-        for layer in model.model.layers:
-            self.handles.append(layer.register_forward_pre_hook(lambda *a: self.enter("layers")))
-            self.handles.append(layer.register_forward_hook(lambda *a: self.exit()))
-
-        def head_pre(*a):  # the LM head inside a check or an exit head belongs to that; alone, it is the final head
-            self.stack.append(["final_head" if not self.stack else None, self._now() if not self.stack else 0.0, 0.0])
-
-        def head_post(*a):
-            if self.stack[-1][0] is None:
-                self.stack.pop()
-            else:
-                self.exit()
-
-        self.handles.append(model.lm_head.register_forward_pre_hook(head_pre))
-        self.handles.append(model.lm_head.register_forward_hook(head_post))
-        if isinstance(model, EarlyExitMixin):
-            self._wrap("_check", "head_checks")
-            self._wrap("_decide", "exit_heads")  # exit heads (norm/adapter); the LM head of the step is "final_head"
-            self._wrap("_backfill_kv", "backfill")
+        if not isinstance(self.model, EarlyExitMixin):
+            for module, label in [(layer, "ee::layer") for layer in self.model.model.layers] + [
+                    (self.model.lm_head, "ee::final_head")]:
+                self.handles += [module.register_forward_pre_hook(self._pre(label)),
+                                 module.register_forward_hook(self._post)]
         return self
 
     def __exit__(self, *exc):
         for handle in self.handles:
             handle.remove()
-        for name in self.patched:
-            delattr(self.model, name)
 
 
 @torch.no_grad()
 def profile_step(model, batch, new_tokens, exit_kwargs=None, name=None):
     """Where the time of one decoding step goes: ms per step in layers, head checks, exit heads, backfill, final
-    head, and other (Python: the decoding loop, masks, sampling). Instrumented with hooks and synchronising on
-    GPU, so the total is a bit above an uninstrumented step. Works on the plain model too (`exit_kwargs` None)."""
+    head, and other (Python: the decoding loop, masks, sampling). Read from `torch.profiler` events carrying the
+    runtime's `record_function` labels (`PROFILE_LABELS`); the prefill is left out. Profiling adds overhead, so the
+    total is a bit above an unprofiled step. Works on the plain model too (`exit_kwargs` None)."""
     kwargs = dict(exit_kwargs or {})
-    with _StepProfiler(model) as prof:
+    with _PlainLabels(model), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         seconds, prefill, steps, _ = _timed_generate(model, batch, new_tokens, kwargs)
+    # the prefill ends where the second forward starts: the second time a step embeds its input
+    starts = sorted(e.time_range.start for e in prof.events() if e.name == "aten::embedding")
+    decode_from = starts[1] if len(starts) > 1 else math.inf
+    labeled = sorted((e for e in prof.events() if e.name in PROFILE_LABELS and e.time_range.start >= decode_from),
+                     key=lambda e: e.time_range.start)
+    totals, stack = defaultdict(float), []  # exclusive time: a labeled event inside another is the inner one's
+    for event in labeled:
+        while stack and stack[-1].time_range.end <= event.time_range.start:
+            stack.pop()
+        ms = event.time_range.elapsed_us() / 1e3
+        totals[PROFILE_LABELS[event.name]] += ms
+        if stack:
+            totals[PROFILE_LABELS[stack[-1].name]] -= ms
+        stack.append(event)
     decode_steps = max(steps - 1, 1)
     step_ms = _decode_ms(seconds, prefill, steps)
-    parts = {k: 1e3 * v / decode_steps for k, v in prof.totals.items()}
-    for k in ("layers", "head_checks", "exit_heads", "backfill", "final_head"):
-        parts.setdefault(k, 0.0)
+    parts = {k: totals.get(k, 0.0) / decode_steps for k in PROFILE_LABELS.values()}
     parts["other"] = step_ms - sum(parts.values())
     return {"name": name or ("plain" if not isinstance(model, EarlyExitMixin) else "early exit"),
             "batch_size": batch[0].shape[0], "ms_per_step": step_ms, "parts_ms": parts,
@@ -645,7 +622,7 @@ def profile_step(model, batch, new_tokens, exit_kwargs=None, name=None):
 def calibrated_config(model, always=False):
     """generate() with no exit arguments: the calibrated settings stored in the model's config. None when the config
     has none, unless `always` (a calibrated folder whose calibration left exits off: then it decodes at full depth)."""
-    if resolve_exit_settings(model.config) is None:
+    if _settings(model, {}) is None:
         if not always:
             return None
         return {"name": "calibrated (exits off)", "kind": "calibrated", "exit_kwargs": {}}
@@ -657,7 +634,7 @@ def sweep_configs(model, batch_size, grid=None, check_sets=None):
     grid = SWEEP_FULL if grid is None else grid
     exits = list(model.config.exit_layers)
     if check_sets is None:
-        calibrated = model.config.exit_check_layers
+        calibrated = model.exit_defaults["exit_check_layers"]
         check_sets = [exits] + ([[exits[-1]]] if len(exits) > 1 else [])
         if calibrated and list(calibrated) not in check_sets:
             check_sets.append(list(calibrated))
@@ -725,7 +702,7 @@ def run_benchmark(ee_model, plain_model, prompts, batch_sizes=(1, 8), new_tokens
               "model": {"class": type(ee_model).__name__, "num_hidden_layers": ee_model.config.num_hidden_layers,
                         "exit_layers": list(ee_model.config.exit_layers), "exit_head": ee_model.config.exit_head,
                         "dtype": str(ee_model.dtype).replace("torch.", ""),
-                        "calibrated": resolve_exit_settings(ee_model.config) is not None},
+                        "calibrated": _settings(ee_model, {}) is not None},
               "settings": {"batch_sizes": list(batch_sizes), "new_tokens": new_tokens, "repeats": repeats,
                            "prompt_length": prompt_length, "prompts": len(prompts), "max_batches": max_batches,
                            "domains": sorted({p["domain"] for p in prompts})},
@@ -978,7 +955,7 @@ def _jsonable(x):
         return None
     if isinstance(x, (torch.Tensor,)):
         return x.tolist()
-    if callable(x):
+    if callable(x) or isinstance(x, ExitCriterion):
         return getattr(x, "name", repr(x))
     return x
 

@@ -61,7 +61,7 @@ def _cycle(values):
 @torch.no_grad()
 def _measure_rows(model, rows, prompt_length, context, repeats, seed):
     """Costs in ms at `rows` rows: keys are the cost names used by `step_cost`."""
-    config, decoder, device = model.config, model.model, model.device
+    config, decoder, device = model.config, model.family.decoder(model), model.device
     num_layers = config.num_hidden_layers
     generator = torch.Generator().manual_seed(seed)
     prompt = torch.randint(3, config.vocab_size, (rows, prompt_length), generator=generator).to(device)
@@ -69,27 +69,27 @@ def _measure_rows(model, rows, prompt_length, context, repeats, seed):
     cache = DynamicCache(config=config)
     decoder(input_ids=ids, cache=cache, use_cache=True)  # a real context's K/V behind the timed step
 
+    fam = model.family
+
     def step_inputs(q):
         new = torch.randint(3, config.vocab_size, (rows, q), generator=generator).to(device)
-        h = decoder.embed_tokens(new)  # (rows, q, D)
         position_ids = (torch.arange(q, device=device) + context).unsqueeze(0).expand(rows, -1)
-        masks = model.family.build_masks(config, h, None, cache, position_ids)
-        return h, position_ids, decoder.rotary_emb(h, position_ids), masks
+        h = fam.embed(model, new, position_ids)  # (rows, q, D)
+        return h, fam.layer_inputs(model, h, None, cache, position_ids)
 
     def layer_piece(q):
         """One decoder layer step with q new tokens per row (layers taken in turn); its K/V are cropped off after,
         so every call sees the same `context`-token cache."""
-        h, position_ids, pos_emb, masks = step_inputs(q)
+        h, inputs = step_inputs(q)
         next_layer, current = _cycle(list(range(num_layers))), {}
 
         def run():
             j = current["j"] = next_layer()
-            decoder.layers[j](h, attention_mask=masks[model.family.layer_type(config, j)],
-                              position_embeddings=pos_emb, position_ids=position_ids, cache=cache, use_cache=True)
+            fam.run_layer(model, j, h, inputs, cache)
 
         return run, lambda: cache.layers[current["j"]].crop(-q), 1
 
-    h, _, pos_emb, _ = step_inputs(1)
+    h, inputs = step_inputs(1)
     last = h[:, -1]  # (rows, D)
     exit_index = len(config.exit_layers) - 1
     targets = torch.zeros(rows, dtype=torch.long, device=device)
@@ -98,8 +98,8 @@ def _measure_rows(model, rows, prompt_length, context, repeats, seed):
     confidence = getattr(model, "confidence_heads", None)
     pieces = {
         # the prompt through every layer, plus the final head at its last position
-        "prefill": (lambda: model.lm_head(decoder.norm(decoder(input_ids=prompt, cache=DynamicCache(config=config),
-                                                               use_cache=True).last_hidden_state[:, -1])),
+        "prefill": (lambda: fam.head_logits(model, decoder(input_ids=prompt, cache=DynamicCache(config=config),
+                                                           use_cache=True).last_hidden_state[:, -1]),
                     None, 10),
         "layer": layer_piece(1),
         # deferred KV: a token that skipped a layer rides along as one more query of a later step at that layer
@@ -108,12 +108,12 @@ def _measure_rows(model, rows, prompt_length, context, repeats, seed):
         "head_check": (lambda: model.exit_logits_from_hidden(exit_index, last).float().softmax(-1).max(-1)
                        .values.ge(0.5).nonzero(), None, 1),
         "head": (lambda: model.exit_logits_from_hidden(exit_index, last), None, 1),
-        "final_head": (lambda: model.lm_head(decoder.norm(last)), None, 1),
+        "final_head": (lambda: fam.head_logits(model, fam.final_norm(model)(last)), None, 1),
         "decision": (lambda: (targets.index_select(0, index) <= 1).nonzero(), None, 1),
         "cosine_check": (lambda: nn.functional.cosine_similarity(last.float(), last.float(), dim=-1).ge(0.9)
                          .nonzero(), None, 1),
         # one skipped layer's K/V for the exited rows: input norm, K/V projections, rotary
-        "backfill": (lambda: model._backfill_kv(next_skipped(), h, pos_emb), None, 1),
+        "backfill": (lambda: fam.key_value(model, next_skipped(), h, inputs), None, 1),
     }
     if confidence is not None:
         pieces["learned_check"] = (lambda: confidence[exit_index](model.exit_heads[exit_index](last)).ge(0.5)

@@ -24,10 +24,13 @@ def render_model_card(model, extra: dict | None = None) -> str:
         base_model = extra.get("base_model_name") or os.path.basename(os.path.normpath(str(base_model)))
     exits = list(config.exit_layers)
     decoding = "Full depth (no calibrated exit settings stored)."
-    if config.exit_criterion is not None or config.exit_patience:
-        decoding = (f"criterion `{config.exit_criterion}`, threshold `{config.exit_threshold}`, policy "
-                    f"`{config.exit_policy}`, patience `{config.exit_patience}`, KV `{config.exit_kv}`, checked exits "
-                    f"`{config.exit_check_layers if config.exit_check_layers is not None else exits}`")
+    stored = model.exit_defaults if hasattr(model, "exit_defaults") else {}
+    if stored.get("exit_criterion") is not None or stored.get("exit_patience"):
+        decoding = (f"criterion `{stored['exit_criterion']}`, threshold `{stored['exit_threshold']}`, policy "
+                    f"`{stored['exit_policy'] or 'batch'}`, patience `{stored['exit_patience'] or 0}`, KV "
+                    f"`{stored['exit_kv'] or 'immediate'}`, checked exits "
+                    f"`{stored['exit_check_layers'] if stored['exit_check_layers'] is not None else exits}` "
+                    "(stored in `generation_config.json`)")
     values = dict(
         base_model=base_model,
         base_model_yaml=json.dumps(str(base_model)),

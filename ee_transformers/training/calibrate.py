@@ -15,7 +15,8 @@ decoder-layer steps). So calibration
      the context, so this on-policy agreement is usually below the teacher-forced one; while it misses the target the
      search reruns with the target raised by the shortfall, and exits stay off if it never passes;
   5. reports agreement, mean exit layer and predicted speed-up of the choice on split B, and stores it in the model's
-     config (so `generate()` with no exit arguments uses it), its card and `calibration.json`.
+     generation config (`generation_config.json`: `generate()` with no exit arguments uses it), its card and
+     `calibration.json`.
 
 The simulation is per token (batch 1): with `policy="batch"` and larger batches a step exits only when every row is
 confident, so real exit rates are lower. The benchmark measures real decoding.
@@ -33,11 +34,11 @@ import sys
 import torch
 from torch.nn import functional as F
 
-from ee_transformers.configuration_early_exit import EXIT_CRITERIA
+from ee_transformers.generation_early_exit import EXIT_CRITERIA
 from ee_transformers.tools.costs import measure_costs as measure_cost_pieces
 from ee_transformers.generation_early_exit import LOGIT_CRITERIA, logit_score
 
-CRITERIA = EXIT_CRITERIA
+CRITERIA = tuple(EXIT_CRITERIA)  # the built-in criteria (a benchmark may register more)
 
 
 # ------------------------------------------------------------------------------------------------------------ scores
@@ -371,24 +372,23 @@ def calibrate(model, data, tokenizer=None, criterion: str = "max_prob", target_a
 
 
 def apply_calibration(model, report: dict) -> None:
-    """Stores the report's choice in `model.config` (generate() then uses it with no exit arguments); with no choice,
-    exits are turned off (full depth)."""
-    config = model.config
+    """Stores the report's choice as the model's generation defaults (`model.generation_config`, saved to
+    `generation_config.json`; generate() then uses it with no exit arguments); with no choice, exits are turned off
+    (full depth)."""
     chosen = report.get("chosen")
     if chosen:
-        config.exit_criterion = report["criterion"]
         thresholds = chosen["thresholds"]
-        config.exit_threshold = thresholds[0] if len(set(thresholds)) == 1 else list(thresholds)
-        config.exit_check_layers = list(chosen["check_layers"])
-        config.exit_policy = report["policy"]
-        config.exit_patience = report["patience"]
-        config.exit_kv = report.get("kv", "immediate")
+        model.set_exit_defaults(
+            exit_criterion=report["criterion"],
+            exit_threshold=thresholds[0] if len(set(thresholds)) == 1 else list(thresholds),
+            exit_check_layers=list(chosen["check_layers"]),
+            exit_policy=report["policy"],
+            exit_patience=report["patience"],
+            exit_kv=report.get("kv", "immediate"),
+        )
     else:
-        config.exit_criterion = None
-        config.exit_threshold = None
-        config.exit_check_layers = None
-        config.exit_patience = 0
-    config.validate_early_exit()
+        model.set_exit_defaults(exit_criterion=None, exit_threshold=None, exit_check_layers=None, exit_patience=None,
+                                exit_policy=None, exit_kv=None)
 
 
 def calibration_card(report: dict) -> str:

@@ -886,11 +886,10 @@ def _run(args):
                                      model.config.exit_adapter_rank, config)
     extra_dirs, adapter_tmp = {}, None
     ee = _ee(final)
-    if ee.config.exit_criterion is not None or ee.config.exit_patience:
+    if any(value is not None for value in ee.exit_defaults.values()):
         # decoding settings calibrated for the old heads no longer hold: back to full depth until recalibrated
         print("Cleared the stored exit settings (calibrated for the previous heads); run `ee-transformers calibrate`.")
-        ee.config.exit_criterion, ee.config.exit_threshold, ee.config.exit_check_layers = None, None, None
-        ee.config.exit_patience = 0
+        ee.set_exit_defaults(**{name: None for name in ee.exit_defaults})
     if hasattr(final, "save_pretrained") and final is not ee:  # kept LoRA adapters: base + adapter folder
         adapter_tmp = os.path.abspath(args.out).rstrip(os.sep) + f".adapter-{os.getpid()}"
         final.save_pretrained(adapter_tmp)
