@@ -152,8 +152,10 @@ class EarlyExitMixin(ExitHeadsMixin):
         missing = getattr(model, "_missing_exit_modules", [])
         if missing:
             logger.warning(f"Initialised {', '.join(missing)} from the final norm / as untrained: not in the checkpoint.")
-        legacy = getattr(model.config, "_legacy_exit_settings", None) or {}
-        model.set_exit_defaults(**{**{k: v for k, v in legacy.items() if v is not None}, **settings})
+        legacy = {k: v for k, v in model.config.pop_legacy_exit_settings().items() if v is not None}
+        if not (legacy.get("exit_criterion") or legacy.get("exit_threshold") is not None or legacy.get("exit_patience")):
+            legacy = {}  # the first wave stored policy/kv defaults even with exits off
+        model.set_exit_defaults(**{**legacy, **settings})
         path = str(pretrained_model_name_or_path)
         if model.tokenizer is None and os.path.isdir(path) and any(
             os.path.exists(os.path.join(path, name)) for name in ("tokenizer.json", "tokenizer_config.json")

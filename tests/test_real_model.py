@@ -11,7 +11,8 @@ pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from ee_transformers.tools import assets, from_base
+    from ee_transformers import from_base
+    from ee_transformers.tools import assets
 
     model_dir = assets.fetch_model(progress=False)
     text = assets.fetch_text(progress=False)
@@ -28,7 +29,8 @@ def _blocks(tokenizer, path, region, count, block_size=128):
 
 
 def test_fit_calibrate_and_skip_layers_on_held_out_text(smollm2):
-    from ee_transformers import ExitStats, assets
+    from ee_transformers import ExitStats
+    from ee_transformers.tools import assets
     from ee_transformers.training.calibrate import apply_calibration, calibrate
     from ee_transformers.training.fit_exit_heads import FitConfig, fit_exit_heads
 
