@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-from ee_transformers.tools import assets, from_base
+from ee_transformers import from_base
+from ee_transformers.tools import assets
 from ee_transformers.tools.demo import CALIBRATION_REGIONS, FIT_REGIONS, _slice
 from ee_transformers.training.calibrate import apply_calibration, calibrate, calibration_card
 from ee_transformers.training.data import tokenize_blocks

@@ -11,7 +11,8 @@ pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from ee_transformers.tools import assets, from_base
+    from ee_transformers import from_base
+    from ee_transformers.tools import assets
 
     model_dir = assets.fetch_model(progress=False)
     text = assets.fetch_text(progress=False)
