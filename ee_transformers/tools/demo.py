@@ -115,7 +115,7 @@ def main(argv=None):
                "calibration": {k: report.get(k) for k in ("chosen", "heldout_B", "message")},
                "comparison": [{"configuration": n, "batch_size": b, **s} for n, b, s in rows],
                "minutes": round((time.perf_counter() - started) / 60, 1)}
-    Path(out, "demo_summary.json").write_text(json.dumps(bench._jsonable(summary), indent=1))
+    Path(out, "demo_summary.json").write_text(json.dumps(bench.jsonable(summary), indent=1))
     print(f"== done in {summary['minutes']} min; summary in {Path(out, 'demo_summary.json')}")
     return 0
 
