@@ -124,7 +124,7 @@ class EarlyExitMixin(ExitHeadsMixin):
         self._add_exit_heads(config)
         self.tokenizer = None  # set when loaded with the model; saved with it
 
-    def add_confidence_heads(self):
+    def add_confidence_heads(self) -> nn.ModuleList:
         """Adds untrained learned-confidence heads (one per exit) and records them in the config."""
         if self.confidence_heads is None:
             device = self.family.final_norm(self).weight.device
@@ -166,7 +166,7 @@ class EarlyExitMixin(ExitHeadsMixin):
                 logger.warning(f"Could not load the tokenizer in {path}: {error}")
         return (model, info) if want_info else model
 
-    def set_exit_defaults(self, **settings):
+    def set_exit_defaults(self, **settings) -> None:
         """Stores exit settings (`exit_criterion=...`; None clears one) in `model.generation_config`, validated
         together, so a later `generate()` without exit arguments uses them and `save_pretrained` writes them to
         `generation_config.json`."""
@@ -255,7 +255,7 @@ class EarlyExitMixin(ExitHeadsMixin):
         )
 
     # generate -----------------------------------------------------------------------------------------------------
-    def generate(self, inputs=None, generation_config=None, **kwargs):
+    def generate(self, inputs: torch.Tensor | None = None, generation_config: GenerationConfig | None = None, **kwargs):
         """`GenerationMixin.generate` plus early exit.
 
         Exit settings (generation settings; precedence: these kwargs, then `generation_config`, then
