@@ -8,6 +8,7 @@ from transformers import PreTrainedModel
 
 from .generation_early_exit import EXIT_ARGUMENTS, check_exit_argument
 from .modeling_early_exit import FAMILIES
+from .tools.model_card import source_card_data
 
 logger = logging.getLogger(__name__)
 
@@ -55,4 +56,7 @@ def from_base(path: str | os.PathLike, exit_layers: list[int] | None = None, exi
     fields = {k: v for k, v in config.items() if k not in ("model_type", "architectures", "auto_map")}
     fields.update(overrides)
     config_obj = cls.config_class(**fields)  # validates
-    return cls.from_pretrained(path, config=config_obj, **kwargs)
+    model = cls.from_pretrained(path, config=config_obj, **kwargs)
+    # what the source says about itself (its Hub name, its license), for the model cards of folders saved from it
+    model.card_data = source_card_data(path)
+    return model

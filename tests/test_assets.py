@@ -205,7 +205,8 @@ def test_fetch_model_is_idempotent(monkeypatch, tmp_path):
     assert folder == cache / assets.MODEL_DIRNAME and len(calls) == 1
     marker = json.loads((folder / assets.MARKER).read_text())
     assert marker["sha256"] == fake_hash and "Q4_1" in marker["note"]
-    assert "Apache-2.0" in marker["license"] and marker["num_hidden_layers"] == 30
+    assert marker["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and marker["license"] == "apache-2.0"
+    assert marker["num_hidden_layers"] == 30
 
     assert assets.fetch_model(cache, progress=False) == folder and len(calls) == 1
     assert assets.fetch_model(cache, force=True, progress=False) == folder and len(calls) == 2

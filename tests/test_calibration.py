@@ -3,13 +3,14 @@ so that `generate()` uses it, and the `calibrate` command. Tiny random models on
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
 import ee_transformers as eet
-from ee_transformers.training.calibrate import (apply_calibration, calibrate, collect_exit_scores, main, measure_costs,
-                                scores_from_logits, search_policy, simulate)
+from ee_transformers.training.calibrate import (CalibrationConfig, apply_calibration, calibrate, collect_exit_scores, main,
+                                                measure_costs, scores_from_logits, search_policy, simulate)
 from ee_transformers.training.data import load_blocks
 from ee_transformers.training.fit_exit_heads import FitConfig, fit_exit_heads, save_model_folder
 from ee_transformers.training.tiny import save_tiny_base, tiny_texts, tiny_tokenizer, write_texts
@@ -108,7 +109,7 @@ def test_measure_costs_reports_layer_equivalents(fitted):
 def test_calibrate_meets_target_and_generate_uses_it(fitted, tmp_path):
     folder, _, heldout = fitted
     model = eet.from_base(folder)
-    report = calibrate(model, heldout, target_agreement=0.6, costs=FREE)
+    report = calibrate(model, heldout, CalibrationConfig(target_agreement=0.6), costs=FREE)
     assert report["chosen"] is not None, report["message"]
     assert report["selection_A"]["agreement"] >= 0.6, "the choice must meet the target on the split it was chosen on"
     assert set(report["heldout_B"]) >= {"agreement", "mean_exit_layer", "speedup"}
@@ -127,7 +128,7 @@ def test_calibrate_leaves_exits_off_when_nothing_pays(fitted):
     folder, _, heldout = fitted
     model = eet.from_base(folder)
     model.set_exit_defaults(exit_criterion="max_prob", exit_threshold=0.5)  # stale settings must be cleared
-    report = calibrate(model, heldout, target_agreement=0.99,
+    report = calibrate(model, heldout, CalibrationConfig(target_agreement=0.99),
                        costs={"head_cost": 50.0, "check_cost": 50.0, "backfill_cost": 1.0})
     assert report["chosen"] is None and "off" in report["message"]
     apply_calibration(model, report)
@@ -161,6 +162,17 @@ def test_cli_calibrate_in_place(fitted, tmp_path):
     assert (work / "fit_report.json").exists() and not [n for n in os.listdir(tmp_path) if "partial" in n]
 
 
+def test_cli_calibrate_defaults_fit_a_model_with_128_positions(fitted, tmp_path):
+    folder, files, _ = fitted
+    assert json.loads(Path(folder, "config.json").read_text())["max_position_embeddings"] == 128
+    out = tmp_path / "calibrated"
+    assert main([str(folder), "--data", *files, "--out", str(out)]) == 0, "defaults only: nothing but the data"
+    used = json.loads((out / "calibration.json").read_text())["config"]
+    assert used["block_size"] == 128, "the block size defaults to min(256, max_position_embeddings)"
+    assert used["verify_prompts"] == 8 and used["verify_prompt_length"] + used["verify_new_tokens"] <= 128
+    assert eet.from_base(out).config.exit_layers == [0, 1, 2]
+
+
 def test_cli_calibrate_rejects_plain_folder(tmp_path, capsys):
     base = save_tiny_base(tmp_path / "plain")
     texts = write_texts(tmp_path / "t", tiny_texts(n_docs=2))
@@ -175,10 +187,10 @@ def test_calibrate_learned_and_cosine_criteria(fitted):
     folder, _, heldout = fitted
     model = eet.from_base(folder)
     with pytest.raises(ValueError, match="confidence heads"):
-        calibrate(model, heldout, criterion="learned", costs=FREE)
+        calibrate(model, heldout, CalibrationConfig(criterion="learned"), costs=FREE)
     fit_confidence_heads(model, heldout, None, FitConfig(confidence_steps=10, batch_size=2, progress=False))
     for criterion in ("learned", "cosine"):
-        report = calibrate(model, heldout, criterion=criterion, target_agreement=0.5, costs=FREE)
+        report = calibrate(model, heldout, CalibrationConfig(criterion=criterion, target_agreement=0.5), costs=FREE)
         assert report["chosen"] is not None and report["selection_A"]["agreement"] >= 0.5, report["message"]
         apply_calibration(model, report)
         out = model.generate(heldout[:1, :6], max_new_tokens=4, return_dict_in_generate=True)
@@ -200,8 +212,8 @@ def test_on_policy_agreement_full_depth_is_exact(fitted):
 def test_calibrate_verifies_by_decoding(fitted):
     folder, _, heldout = fitted
     model = eet.from_base(folder)
-    report = calibrate(model, heldout, target_agreement=0.6, costs=FREE, verify_prompts=2, verify_new_tokens=6,
-                       verify_prompt_length=8)
+    config = CalibrationConfig(target_agreement=0.6, verify_prompts=2, verify_new_tokens=6, verify_prompt_length=8)
+    report = calibrate(model, heldout, config, costs=FREE)
     assert report["verification"], "verification rounds are recorded"
     if report["chosen"] is not None:
         assert report["on_policy_B"]["agreement"] >= 0.6, "a verified choice meets the target when really decoding"

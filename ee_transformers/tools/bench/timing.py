@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import torch
 
 from ee_transformers.generation_early_exit import ExitStats, merged_exit_values, resolve_exit_settings
+from ee_transformers.tools.bench.config import BenchConfig, Variant
 from ee_transformers.tools.bench.forced import ForcedExits, forced_profile
 from ee_transformers.tools.bench.loading import make_batches
 from ee_transformers.tools.costs import ideal_speedup
@@ -20,10 +21,10 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def _generate_kwargs(model, config):
-    """generate() exit arguments of a configuration (a fresh forced-profile callable for forced ones)."""
-    kwargs = dict(config.get("exit_kwargs", {}))
-    forced = config.get("forced")
+def _generate_kwargs(model, variant):
+    """generate() exit arguments of a variant (a fresh forced-profile callable for forced ones)."""
+    kwargs = dict(variant.exit_kwargs)
+    forced = variant.forced
     if forced is not None:
         profile = forced_profile(forced["profile"], model, per_row=kwargs.get("exit_policy") == "row",
                                  seed=forced.get("seed", 0))
@@ -139,31 +140,33 @@ def _ideal(settings, exit_layers, costs):
                          settings.kv, include_prefill=False)
 
 
-def compare_many(ee_model, plain_model, batches, new_tokens, configs, repeats=3, costs=None, warmup=True,
-                 log=None):
-    """Times plain generate and each configuration in `configs`, interleaved, on every batch, `repeats` times.
+def compare_many(ee_model, plain_model, batches, variants, config=None, repeats=None, costs=None, log=None):
+    """Times plain generate and each of `variants`, interleaved, on every batch, `repeats` rounds.
 
-    configs: list of `{"name", "kind", "exit_kwargs": {...}, "forced": None | {"profile": name}}`. Each round runs
-    plain, c1, plain, c2, ..., plain (the configurations reversed on odd repeats); a configuration's ratio is the mean
-    ms per decoding step of its two neighbouring plain runs over its own. Returns one result dict per configuration.
+    batches: from `make_batches`; variants: `Variant`s; config: a `BenchConfig` (its `new_tokens`, `warmup`, and
+    `repeats` unless `repeats` is given); costs: `measure_costs(...)` for the ideal speed-ups (NaN without).
+    Each round runs plain, v1, plain, v2, ..., plain (the variants reversed on odd rounds); a variant's ratio is the
+    mean ms per decoding step of its two neighbouring plain runs over its own. Returns one result dict per variant.
     """
+    config = config or BenchConfig()
+    new_tokens, repeats = config.new_tokens, repeats or config.repeats
     batch_size = batches[0][0].shape[0]
     eos = _eos_ids(plain_model)
-    if warmup:  # first calls pay one-off allocation and dispatch costs
+    if config.warmup:  # first calls pay one-off allocation and dispatch costs
         for batch in batches[:1]:
             _timed_generate(plain_model, batch, min(new_tokens, 3), {})
-            for config in configs:
-                _timed_generate(ee_model, batch, min(new_tokens, 3), _generate_kwargs(ee_model, config))
-    per = [defaultdict(list) for _ in configs]
+            for variant in variants:
+                _timed_generate(ee_model, batch, min(new_tokens, 3), _generate_kwargs(ee_model, variant))
+    per = [defaultdict(list) for _ in variants]
     plain_ms = []
-    # one set of generate arguments per configuration for the whole comparison: a forced profile's stratified draws
-    # run on across its runs, so together they follow the profile's shares
-    config_kwargs = [_generate_kwargs(ee_model, config) for config in configs]
+    # one set of generate arguments per variant for the whole comparison: a forced profile's stratified draws run on
+    # across its runs, so together they follow the profile's shares
+    variant_kwargs = [_generate_kwargs(ee_model, variant) for variant in variants]
     for r in range(repeats):
         for b, batch in enumerate(batches):
             # plain, c1, plain, c2, ..., ck, plain: each configuration sits between two plain runs, so a slow
             # drift of the machine cancels in its ratio; the configurations' order flips every repeat
-            order = list(range(len(configs)))
+            order = list(range(len(variants)))
             if r % 2:
                 order.reverse()
             plain_runs, timings = [], {}
@@ -171,7 +174,7 @@ def compare_many(ee_model, plain_model, batches, new_tokens, configs, repeats=3,
             plain_out = SimpleNamespace(sequences=plain_out.sequences.cpu())
             plain_runs.append((_decode_ms(seconds, prefill, steps), 1e3 * seconds))
             for k in order:
-                seconds, prefill, steps, out = _timed_generate(ee_model, batch, new_tokens, config_kwargs[k])
+                seconds, prefill, steps, out = _timed_generate(ee_model, batch, new_tokens, variant_kwargs[k])
                 out = SimpleNamespace(sequences=out.sequences.cpu(), exit_layers=out.exit_layers.cpu())  # no cache
                 before = plain_runs[-1]
                 seconds_p, prefill_p, steps_p, _ = _timed_generate(plain_model, batch, new_tokens, {})
@@ -181,14 +184,14 @@ def compare_many(ee_model, plain_model, batches, new_tokens, configs, repeats=3,
                               (before[0] + after[0]) / 2, (before[1] + after[1]) / 2)
             plain_ms += [ms for ms, _ in plain_runs]
             prompt_length = batch[0].shape[1]
-            for k, config in enumerate(configs):
+            for k in range(len(variants)):
                 ee_step_ms, ee_total_ms, out, plain_step_ms, plain_total_ms = timings[k]
                 record = per[k]
                 record["ratio"].append(plain_step_ms / ee_step_ms)
                 record["e2e_ratio"].append(plain_total_ms / ee_total_ms)
                 record["ee_ms"].append(ee_step_ms)
                 record["exit_layers"].append(out.exit_layers.cpu())
-                settings = _settings(ee_model, config_kwargs[k])
+                settings = _settings(ee_model, variant_kwargs[k])
                 ideal = _ideal(settings, out.exit_layers.cpu(), costs)
                 record["ideal"].append(ideal)
                 record["realised_over_ideal"].append(plain_step_ms / ee_step_ms / ideal if ideal else math.nan)
@@ -200,10 +203,10 @@ def compare_many(ee_model, plain_model, batches, new_tokens, configs, repeats=3,
             if log:
                 log(f"  batch {batch_size} repeat {r + 1}/{repeats} batch {b + 1}/{len(batches)}: plain "
                     f"{statistics.median(ms for ms, _ in plain_runs):.1f} ms/step; " + ", ".join(
-                        f"{configs[k]['name']} {per[k]['ratio'][-1]:.2f}x" for k in range(len(configs))))
+                        f"{variants[k].name} {per[k]['ratio'][-1]:.2f}x" for k in range(len(variants))))
     results = []
-    for config, record in zip(configs, per):
-        settings = _settings(ee_model, _generate_kwargs(ee_model, config))
+    for variant, record in zip(variants, per):
+        settings = _settings(ee_model, _generate_kwargs(ee_model, variant))
         rows = record["agreement_rows"]
         compared = sum(r["compared"] for r in rows)
         by_domain = {}
@@ -211,13 +214,13 @@ def compare_many(ee_model, plain_model, batches, new_tokens, configs, repeats=3,
             sub = [r for r in rows if r["domain"] == domain]
             by_domain[domain] = sum(r["matches"] for r in sub) / max(sum(r["compared"] for r in sub), 1)
         result = {
-            "name": config["name"],
-            "kind": config.get("kind", "custom"),
+            "name": variant.name,
+            "kind": variant.kind,
             "batch_size": batch_size,
             "new_tokens": new_tokens,
             "repeats": repeats,
-            "exit_kwargs": {k: v for k, v in config.get("exit_kwargs", {}).items()},
-            "forced": config.get("forced"),
+            "exit_kwargs": dict(variant.exit_kwargs),
+            "forced": variant.forced,
             "criterion": None if settings is None else settings.criterion,
             "policy": None if settings is None else settings.policy,
             "kv": None if settings is None else settings.kv,
@@ -236,25 +239,28 @@ def compare_many(ee_model, plain_model, batches, new_tokens, configs, repeats=3,
             "ideal_speedup": _summarise(record["ideal"]),
             "realised_over_ideal": _summarise(record["realised_over_ideal"]),
         }
-        if config.get("forced") is not None:
-            profile = _generate_kwargs(ee_model, config)["exit_criterion"].targets
-            result["forced"] = {**config["forced"], "layers": {str(k): v for k, v in profile.layers.items()},
+        if variant.forced is not None:
+            profile = _generate_kwargs(ee_model, variant)["exit_criterion"].targets
+            result["forced"] = {**variant.forced, "layers": {str(k): v for k, v in profile.layers.items()},
                                 "requested_mean_exit_layer": profile.mean_exit_layer}
         results.append(result)
     return results
 
 
-def compare(ee_model, plain_model, prompts, batch_size=1, new_tokens=128, exit_kwargs=None, repeats=3, costs=None,
-            max_batches=2, name="early exit"):
-    """Paired, interleaved comparison of one early-exit configuration with plain generate (see `compare_many`).
+def compare(ee_model, plain_model, prompts, exit_kwargs=None, config=None, batch_size=1, name="early exit",
+            costs=None):
+    """Paired, interleaved comparison of one early-exit way of decoding with plain generate (see `compare_many`).
 
     prompts: from `heldout_prompts` (or `[{"domain", "ids"}]`); exit_kwargs: generate() exit arguments, e.g.
-    `{"exit_criterion": "max_prob", "exit_threshold": 0.9}`, `{}` for the calibrated settings in the config,
-    `{"early_exit": False}` for full depth through the early-exit class. `exit_forced` may be a profile name.
+    `{"exit_criterion": "max_prob", "exit_threshold": 0.9}`, `{}` for the calibrated settings the model stores,
+    `{"early_exit": False}` for full depth through the early-exit class; `exit_forced` may be a profile name.
+    config: a `BenchConfig` (`new_tokens`, `repeats`, `max_batches[0]` batches of `batch_size`).
     """
+    config = config or BenchConfig()
     exit_kwargs = dict(exit_kwargs or {})
-    config = {"name": name, "kind": "custom", "exit_kwargs": exit_kwargs}
+    forced = None
     if isinstance(exit_kwargs.get("exit_forced"), (str, dict)):
-        config["forced"] = {"profile": exit_kwargs.pop("exit_forced")}
-    batches = make_batches(prompts, batch_size, max_batches, device=ee_model.device)
-    return compare_many(ee_model, plain_model, batches, new_tokens, [config], repeats, costs)[0]
+        forced = {"profile": exit_kwargs.pop("exit_forced")}
+    variant = Variant(name, "custom", exit_kwargs, forced)
+    batches = make_batches(prompts, batch_size, config.max_batches[0], device=ee_model.device)
+    return compare_many(ee_model, plain_model, batches, [variant], config, costs=costs)[0]
