@@ -28,6 +28,10 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 from transformers.models.llama.modeling_llama import rotate_half
 
 
+# layer type -> the mask function transformers' decoders use for it
+MASK_FUNCTIONS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+
+
 def select_rows(t, rows, batch_size):
     """`t[rows]` for a per-row tensor; broadcast (batch 1) tensors, tuples of them and None pass through."""
     if isinstance(t, tuple):
@@ -98,16 +102,22 @@ class FamilyAdapter:
         return {"full_attention": rotary, "sliding_attention": rotary}
 
     def build_masks(self, config, inputs_embeds, attention_mask, cache, position_ids, layer_idx=None) -> dict:
+        """One mask per layer type met from `layer_idx` on, built as the family's decoder builds it. With `layer_idx`
+        (deferred K/V: a flush at that layer), each type's mask is sized from the first layer of that type at or after
+        it: the layers from there on hold the same tokens, but a sliding layer's cache holds fewer than a full one."""
         if isinstance(attention_mask, dict):  # already prepared by generate (compileable caches)
             return attention_mask
         if isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 4:
             return {"full_attention": attention_mask, "sliding_attention": attention_mask}
-        kwargs = dict(config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, cache=cache,
-                      position_ids=position_ids, layer_idx=layer_idx)
-        return self._masks(config, kwargs)
-
-    def _masks(self, config, kwargs) -> dict:
-        return {"full_attention": create_causal_mask(**kwargs)}
+        masks = {}
+        for j in range(layer_idx or 0, config.num_hidden_layers):
+            kind = self.layer_type(config, j)
+            if kind not in masks:
+                masks[kind] = MASK_FUNCTIONS[kind](
+                    config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, cache=cache,
+                    position_ids=position_ids, layer_idx=None if layer_idx is None else j,
+                )
+        return masks
 
     # one layer ----------------------------------------------------------------------------------------------------
     def run_layer(self, model, j, h, inputs: LayerInputs, cache):
@@ -137,23 +147,12 @@ class MistralAdapter(FamilyAdapter):
     def layer_type(self, config, layer_idx: int) -> str:
         return "full_attention" if config.sliding_window is None else "sliding_attention"
 
-    def _masks(self, config, kwargs) -> dict:
-        if config.sliding_window is None:
-            return {"full_attention": create_causal_mask(**kwargs)}
-        return {"sliding_attention": create_sliding_window_causal_mask(**kwargs)}
-
 
 class Qwen2Adapter(FamilyAdapter):
     name = "qwen2"
 
     def layer_type(self, config, layer_idx: int) -> str:
         return config.layer_types[layer_idx]
-
-    def _masks(self, config, kwargs) -> dict:
-        masks = {"full_attention": create_causal_mask(**kwargs)}
-        if "sliding_attention" in config.layer_types:
-            masks["sliding_attention"] = create_sliding_window_causal_mask(**kwargs)
-        return masks
 
 
 class Qwen3Adapter(Qwen2Adapter):

@@ -1,4 +1,10 @@
-"""Tiny random models of every supported family, built in fixtures (no hub)."""
+"""The family matrix: tiny random models of every supported family and variant, built in fixtures (no hub).
+
+Every invariant test that takes the `family` fixture runs over all of `FAMILIES`. A row is a `FamilySpec` (the plain
+config class, the plain model class, the config fields beyond `TINY`); it unpacks as that 3-tuple too.
+"""
+
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -19,23 +25,42 @@ torch.set_num_threads(1)
 TINY = dict(vocab_size=99, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=98, max_position_embeddings=256)
 
+# Small enough to bite within the tests' lengths: a 7-token prompt plus 6 new tokens is 13 positions, so sliding
+# layers both mask (prefill) and evict (dynamic and static caches keep only the last window) during every test.
+SLIDING_WINDOW = 4
+MIXED_LAYERS = ["full_attention", "sliding_attention", "full_attention", "sliding_attention"]
+
+
+class FamilySpec(NamedTuple):
+    config_class: type
+    model_class: type
+    extra: dict
+
+
 FAMILIES = {
-    "llama": (LlamaConfig, LlamaForCausalLM, {}),
-    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
-    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 8}),
+    "llama": FamilySpec(LlamaConfig, LlamaForCausalLM, {}),
+    "mistral": FamilySpec(MistralConfig, MistralForCausalLM, {"sliding_window": None}),
+    "mistral-sliding": FamilySpec(MistralConfig, MistralForCausalLM, {"sliding_window": SLIDING_WINDOW}),
+    "qwen2": FamilySpec(Qwen2Config, Qwen2ForCausalLM, {}),
+    "qwen2-sliding": FamilySpec(Qwen2Config, Qwen2ForCausalLM, {"use_sliding_window": True,
+                                                                "sliding_window": SLIDING_WINDOW,
+                                                                "layer_types": MIXED_LAYERS}),
+    "qwen3": FamilySpec(Qwen3Config, Qwen3ForCausalLM, {"head_dim": 8}),
 }
 
 
 def make_base(family: str, seed: int = 0, **overrides):
+    """A tiny random base model of `family` (a key of `FAMILIES`), in eval mode."""
     config_cls, model_cls, extra = FAMILIES[family]
     torch.manual_seed(seed)
     config = config_cls(**{**TINY, **extra, **overrides})
     model = model_cls(config).eval()
     with torch.no_grad():  # non-trivial norms, so tests can tell a copied norm from a fresh one
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.uniform_(0.5, 1.5)
+        for module in model.modules():
+            if "norm" in type(module).__name__.lower():
+                module.weight.uniform_(0.5, 1.5)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.uniform_(-0.5, 0.5)
     return model
 
 
@@ -66,3 +91,68 @@ def padded_batch(batch=3, length=7, seed=1):
         mask[1, :1] = 0
     ids = ids.masked_fill(mask == 0, 0)
     return ids, mask
+
+
+# --- references built from the base model's own code -----------------------------------------------------------------
+def decoder_names(base) -> tuple[str, str, str]:
+    """(decoder attribute, layer-list attribute, final-norm attribute) of a plain causal LM: GPT-2 keeps its blocks
+    in `transformer.h` and its final norm in `transformer.ln_f`, the others in `model.layers` and `model.norm`."""
+    if hasattr(base.get_decoder(), "h"):
+        return base.base_model_prefix, "h", "ln_f"
+    return base.base_model_prefix, "layers", "norm"
+
+
+def base_with_layers(base, layers: list[int], final_norm=None):
+    """A copy of the plain model `base` whose decoder holds only its layers `layers` (in that order), with
+    `final_norm` (any module, e.g. an exit head) in place of its final norm when given. Built by the family's own
+    classes from its own weights, so it is a reference independent of the early-exit runtime."""
+    import copy
+
+    decoder, layer_list, norm = decoder_names(base)
+    config = copy.deepcopy(base.config)
+    config.num_hidden_layers = len(layers)
+    if getattr(config, "layer_types", None):
+        config.layer_types = [base.config.layer_types[j] for j in layers]
+    model = type(base)(config).eval()
+    prefix = f"{decoder}.{layer_list}."
+    state = {}
+    for key, value in base.state_dict().items():
+        if key.startswith(prefix):
+            j, rest = key[len(prefix):].split(".", 1)
+            if int(j) in layers:
+                state[f"{prefix}{layers.index(int(j))}.{rest}"] = value
+        else:
+            state[key] = value
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and not [k for k in missing if not k.endswith("lm_head.weight")], (missing, unexpected)
+    if final_norm is not None:
+        setattr(getattr(model, decoder), norm, copy.deepcopy(final_norm))
+    return model
+
+
+def cut_at_exit(base, model, exit_index: int):
+    """The base model cut after exit layer e = `model.config.exit_layers[exit_index]`, with that exit's head (norm,
+    adapter) as its final norm: what a forced exit at e must equal, final soft-cap and all."""
+    e = model.config.exit_layers[exit_index]
+    return base_with_layers(base, list(range(e + 1)), final_norm=model.exit_heads[exit_index])
+
+
+def own_kv(base, layer: int, states, attention_mask, position_ids):
+    """Keys and values that decoder layer `layer` of `base` computes for residual states `states` `(B, T, D)`
+    entering it: a one-layer copy of `base` (that layer only) is run on `states` as input embeddings and its cache
+    is read. Returns its cache layer (sliding layers keep only their window)."""
+    single = base_with_layers(base, [layer])
+    if hasattr(single.get_decoder(), "wpe"):  # absolute positions are already in the residual stream
+        single.get_decoder().wpe.weight.data.zero_()
+    with torch.no_grad():
+        out = single(inputs_embeds=states, attention_mask=attention_mask, position_ids=position_ids, use_cache=True)
+    return out.cache.layers[0]
+
+
+def cached(layer, kind: str = "keys"):
+    """A cache layer's valid keys (or values), `(B, H, n, D)`, oldest first: a static layer's first
+    `get_seq_length()` slots (a static sliding layer's whole window once full), a dynamic layer's tensor."""
+    tensor = getattr(layer, kind)
+    if type(layer).__name__.startswith("Static"):
+        return tensor[:, :, : min(int(layer.get_seq_length()), tensor.shape[2])]
+    return tensor

@@ -1,15 +1,18 @@
-"""Issue 3: early-exit decoding inside generate: backfilling cache, policies, criteria, stable-token exits."""
+"""Issue 3: early-exit decoding inside generate: backfilling cache, policies, criteria, stable-token exits.
 
-import copy
+The invariants run over the whole family matrix (`family` fixture, conftest.FAMILIES): exits off == the base model;
+a forced exit at e == the base model cut after e plus that exit's head; backfilled K/V == the skipped layers' own
+projections of the exit state; deferred K/V == full-depth K/V once a deep token has run; rows above their exit
+never run; a batch row == its prompt alone.
+"""
 
 import pytest
 import torch
 from transformers.generation.streamers import BaseStreamer
-from transformers.models.llama.modeling_llama import rotate_half
 
 import ee_transformers as eet
 from ee_transformers.tools.bench import ForcedExits
-from conftest import padded_batch
+from conftest import cached, cut_at_exit, own_kv, padded_batch
 
 LAYERS = 4  # tiny models: 4 decoder layers, exits after 0, 1, 2, final = 3
 
@@ -21,33 +24,20 @@ def ee_model(base_dirs, family="llama", exit_layers=(0, 1, 2), perturb=True):
         with torch.no_grad():
             for head in model.exit_heads:
                 head.norm.weight.mul_(torch.rand_like(head.norm.weight) + 0.5)
+                if getattr(head.norm, "bias", None) is not None:
+                    head.norm.bias.add_(torch.rand_like(head.norm.bias) - 0.5)
     return model
-
-
-def truncated(base, model, exit_index):
-    """The base model cut after exit layer e, with that exit's head as its final norm."""
-    e = model.config.exit_layers[exit_index]
-    config = copy.deepcopy(base.config)
-    config.num_hidden_layers = e + 1
-    if getattr(config, "layer_types", None):
-        config.layer_types = config.layer_types[: e + 1]
-    cut = type(base)(config).eval()
-    state = {k: v for k, v in base.state_dict().items()
-             if not (k.startswith("model.layers.") and int(k.split(".")[2]) > e)}
-    cut.load_state_dict(state, strict=False)
-    with torch.no_grad():
-        cut.model.norm.weight.copy_(model.exit_heads[exit_index].norm.weight)
-    return cut
 
 
 class LayerCounter:
     """Counts, per decoder layer, the calls and the rows they ran for."""
 
     def __init__(self, model):
-        self.calls = [0] * len(model.model.layers)
-        self.rows = [0] * len(model.model.layers)
+        layers = model.family.layers(model)
+        self.calls = [0] * len(layers)
+        self.rows = [0] * len(layers)
         self.handles = [layer.register_forward_pre_hook(self._hook(j), with_kwargs=True)
-                        for j, layer in enumerate(model.model.layers)]
+                        for j, layer in enumerate(layers)]
 
     def _hook(self, j):
         def hook(module, args, kwargs):
@@ -80,87 +70,9 @@ def peaked(token, height):
     return fn
 
 
-# --- the invariants -------------------------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("cache_implementation", [None, "static"])
-def test_no_exit_settings_equals_base(base_dirs, family, cache_implementation):
-    folder, base = base_dirs[family]
-    model = ee_model(base_dirs, family)
-    ids, mask = padded_batch()
-    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, cache_implementation=cache_implementation)
-    expected = base.generate(ids, **kwargs)
-    assert torch.equal(model.generate(ids, **kwargs), expected)
-    model.set_exit_defaults(exit_criterion="max_prob", exit_threshold=0.0)  # stored settings ...
-    assert not torch.equal(model.generate(ids, **kwargs), expected)
-    assert torch.equal(model.generate(ids, early_exit=False, **kwargs), expected)  # ... and early_exit=False
-
-
-@pytest.mark.parametrize("policy, kv", [("batch", "immediate"), ("batch", "deferred"), ("row", "immediate")])
-@pytest.mark.parametrize("exit_index", [0, 1])
-def test_always_confident_equals_base_cut_at_first_checked_exit(base_dirs, family, policy, kv, exit_index):
-    folder, base = base_dirs[family]
-    model = ee_model(base_dirs, family)
-    layer = model.config.exit_layers[exit_index]
-    ids, mask = padded_batch()
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, exit_criterion="max_prob",
-                         exit_threshold=0.0, exit_policy=policy, exit_kv=kv,
-                         exit_check_layers=model.config.exit_layers[exit_index:], return_dict_in_generate=True)
-    assert (out.exit_layers == layer).all()
-    expected = truncated(base, model, exit_index).generate(ids, attention_mask=mask, max_new_tokens=6,
-                                                           do_sample=False)
-    assert torch.equal(out.sequences, expected)
-
-
-def test_always_confident_with_static_cache_and_sampling(base_dirs):
-    folder, base = base_dirs["qwen3"]
-    model = ee_model(base_dirs, "qwen3")
-    ids, mask = padded_batch()
-    sampling = dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.9, repetition_penalty=1.3)
-    cut = truncated(base, model, 0)  # built before seeding: building it draws random numbers
-    torch.manual_seed(11)
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=6, exit_criterion="margin", exit_threshold=0.0,
-                         cache_implementation="static", **sampling)
-    torch.manual_seed(11)
-    expected = cut.generate(ids, attention_mask=mask, max_new_tokens=6, cache_implementation="static", **sampling)
-    assert torch.equal(out, expected)
-
-
-def _step_states(base, sequences, mask, layer):
-    """Residual stream leaving `layer` for every position, from a full forward of the base model."""
-    positions = (mask.cumsum(-1) - 1).clamp_min(0)
-    with torch.no_grad():
-        out = base(sequences, attention_mask=mask, position_ids=positions, output_hidden_states=True)
-    return out.hidden_states[layer + 1], positions
-
-
-@pytest.mark.parametrize("family_name", ["llama", "qwen3"])
-def test_immediate_backfill_equals_skipped_layers_projections(base_dirs, family_name):
-    folder, base = base_dirs[family_name]
-    model = ee_model(base_dirs, family_name)
-    ids, mask = padded_batch()
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, exit_criterion="max_prob",
-                         exit_threshold=0.0, exit_check_layers=[1], return_dict_in_generate=True)
-    assert (out.exit_layers == 1).all()
-    cached = out.sequences[:, :-1]  # the last token was never fed back
-    full_mask = torch.cat([mask, torch.ones(mask.shape[0], cached.shape[1] - mask.shape[1], dtype=mask.dtype)], 1)
-    exit_states, positions = _step_states(base, cached, full_mask, layer=1)
-    new = slice(ids.shape[1] + 1, cached.shape[1])  # tokens decided by a decoding step (not the prompt)
-    for j in (2, 3):
-        layer = model.model.layers[j]
-        cos, sin = (t.unsqueeze(1) for t in model.model.rotary_emb(exit_states, positions))
-        with torch.no_grad():  # the layer's own modules, written out: input norm, projections, k-norm, rotary
-            x = layer.input_layernorm(exit_states)
-            shape = (*x.shape[:-1], -1, layer.self_attn.head_dim)
-            keys = layer.self_attn.k_proj(x).view(shape)
-            if hasattr(layer.self_attn, "k_norm"):
-                keys = layer.self_attn.k_norm(keys)
-            keys = keys.transpose(1, 2)
-            keys = keys * cos + rotate_half(keys) * sin
-            values = layer.self_attn.v_proj(x).view(shape).transpose(1, 2)
-        torch.testing.assert_close(out.cache.layers[j].keys[:, :, new], keys[:, :, new], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(out.cache.layers[j].values[:, :, new], values[:, :, new], rtol=1e-5, atol=1e-5)
-    for j in range(LAYERS):  # every layer holds every position
-        assert out.cache.layers[j].keys.shape[2] == cached.shape[1]
+def extended_mask(mask, length):
+    """The prompt's mask extended with ones to `length` positions."""
+    return torch.cat([mask, torch.ones(mask.shape[0], length - mask.shape[1], dtype=mask.dtype)], 1)
 
 
 def forced_schedule(targets):
@@ -175,39 +87,132 @@ def forced_schedule(targets):
     return fn
 
 
+# --- the invariants, over the family matrix --------------------------------------------------------------------------
+
 @pytest.mark.parametrize("cache_implementation", [None, "static"])
-def test_deferred_kv_becomes_exact_after_a_deep_token(base_dirs, cache_implementation):
-    folder, base = base_dirs["qwen2"]
-    model = ee_model(base_dirs, "qwen2")
+def test_exits_disabled_generate_equals_base(base_dirs, family, cache_implementation):
+    folder, base = base_dirs[family]
+    model = ee_model(base_dirs, family)
+    ids, mask = padded_batch()
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, cache_implementation=cache_implementation)
+    expected = base.generate(ids, **kwargs)
+    assert torch.equal(model.generate(ids, **kwargs), expected)
+    out = model.generate(ids, return_dict_in_generate=True, **kwargs)
+    assert torch.equal(out.sequences, expected)
+    assert (out.exit_layers == LAYERS - 1).all()
+    model.set_exit_defaults(exit_criterion="max_prob", exit_threshold=0.0)  # stored settings switch exits on ...
+    assert not torch.equal(model.generate(ids, **kwargs), expected)
+    assert torch.equal(model.generate(ids, early_exit=False, **kwargs), expected)  # ... and early_exit=False off
+
+
+@pytest.mark.parametrize("policy, kv", [("batch", "immediate"), ("batch", "deferred"), ("row", "immediate")])
+@pytest.mark.parametrize("exit_index", [0, 1])
+def test_forced_exit_equals_base_cut_at_exit_plus_head(base_dirs, family, policy, kv, exit_index):
+    folder, base = base_dirs[family]
+    model = ee_model(base_dirs, family)
+    layer = model.config.exit_layers[exit_index]
+    ids, mask = padded_batch()
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, exit_criterion="max_prob",
+                         exit_threshold=0.0, exit_policy=policy, exit_kv=kv,
+                         exit_check_layers=model.config.exit_layers[exit_index:], return_dict_in_generate=True)
+    assert (out.exit_layers == layer).all()
+    expected = cut_at_exit(base, model, exit_index).generate(ids, attention_mask=mask, max_new_tokens=6,
+                                                             do_sample=False)
+    assert torch.equal(out.sequences, expected)
+
+
+def test_forced_exit_with_static_cache_and_sampling_equals_base_cut(base_dirs, family):
+    folder, base = base_dirs[family]
+    model = ee_model(base_dirs, family)
+    ids, mask = padded_batch()
+    sampling = dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.9, repetition_penalty=1.3)
+    cut = cut_at_exit(base, model, 0)  # built before seeding: building it draws random numbers
+    torch.manual_seed(11)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=6, exit_criterion="margin", exit_threshold=0.0,
+                         cache_implementation="static", **sampling)
+    torch.manual_seed(11)
+    expected = cut.generate(ids, attention_mask=mask, max_new_tokens=6, cache_implementation="static", **sampling)
+    assert torch.equal(out, expected)
+
+
+def _states_leaving(base, sequences, mask, layer):
+    """Residual stream leaving `layer` for every position, from a full forward of the base model."""
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    with torch.no_grad():
+        out = base(sequences, attention_mask=mask, position_ids=positions, output_hidden_states=True)
+    return out.hidden_states[layer + 1], positions
+
+
+def test_backfilled_kv_equals_skipped_layers_own_projections(base_dirs, family):
+    folder, base = base_dirs[family]
+    model = ee_model(base_dirs, family)
+    ids, mask = padded_batch()
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, exit_criterion="max_prob",
+                         exit_threshold=0.0, exit_check_layers=[1], return_dict_in_generate=True)
+    assert (out.exit_layers == 1).all()
+    cached_ids = out.sequences[:, :-1]  # the last token was never fed back
+    length = cached_ids.shape[1]
+    full_mask = extended_mask(mask, length)
+    exit_states, positions = _states_leaving(base, cached_ids, full_mask, layer=1)
+    new = length - ids.shape[1]  # positions a decoding step ran (the first generated token onwards)
+    for j in (2, 3):  # the skipped layers
+        reference = own_kv(base, j, exit_states, full_mask, positions)  # the layer's own code on the exit states
+        for kind in ("keys", "values"):
+            got, want = cached(out.cache.layers[j], kind), cached(reference, kind)
+            tail = min(new, got.shape[2])  # a sliding layer keeps only its window
+            torch.testing.assert_close(got[:, :, -tail:], want[:, :, -tail:], rtol=1e-5, atol=1e-5,
+                                       msg=lambda m: f"layer {j} {kind}: {m}")
+    for j in range(LAYERS):  # every layer holds every position
+        assert out.cache.layers[j].get_seq_length() == length
+
+
+@pytest.mark.parametrize("cache_implementation", [None, "static"])
+def test_deferred_kv_equals_full_depth_kv_after_a_deep_token(base_dirs, family, cache_implementation):
+    folder, base = base_dirs[family]
+    model = ee_model(base_dirs, family)
     ids, mask = padded_batch()
     # prefill full, two tokens exit after layer 0 / 1, then one full-depth token
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False, exit_kv="deferred",
-                         exit_criterion=ForcedExits(forced_schedule([3, 0, 1, 3])), cache_implementation=cache_implementation,
-                         return_dict_in_generate=True)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False,
+                         exit_kv="deferred", exit_criterion=ForcedExits(forced_schedule([3, 0, 1, 3])),
+                         cache_implementation=cache_implementation, return_dict_in_generate=True)
     assert out.exit_layers.tolist() == [[3, 0, 1, 3]] * ids.shape[0]
     assert out.cache.num_pending == 0
-    cached = out.sequences[:, :-1]
-    full_mask = torch.cat([mask, torch.ones(mask.shape[0], cached.shape[1] - mask.shape[1], dtype=mask.dtype)], 1)
+    cached_ids = out.sequences[:, :-1]
+    full_mask = extended_mask(mask, cached_ids.shape[1])
     positions = (full_mask.cumsum(-1) - 1).clamp_min(0)
     with torch.no_grad():
-        reference = base(cached, attention_mask=full_mask, position_ids=positions, use_cache=True).cache
-    valid = full_mask.bool()[:, None, :, None]
-    length = cached.shape[1]
+        reference = base(cached_ids, attention_mask=full_mask, position_ids=positions, use_cache=True).cache
     for j in range(LAYERS):
-        got_k, want_k = out.cache.layers[j].keys[:, :, :length], reference.layers[j].keys
-        torch.testing.assert_close(got_k * valid, want_k * valid, rtol=1e-5, atol=1e-5)
+        for kind in ("keys", "values"):
+            got, want = cached(out.cache.layers[j], kind), cached(reference.layers[j], kind)
+            tail = min(got.shape[2], want.shape[2])  # sliding layers: their window; full layers: every position
+            valid = full_mask[:, -tail:].bool()[:, None, :, None]
+            torch.testing.assert_close(got[:, :, -tail:] * valid, want[:, :, -tail:] * valid, rtol=1e-5, atol=1e-5,
+                                       msg=lambda m: f"layer {j} {kind}: {m}")
 
     # while tokens are pending, the deep layers do not hold them yet
     partial = model.generate(ids, attention_mask=mask, max_new_tokens=3, min_new_tokens=3, do_sample=False,
-                             exit_kv="deferred",
-                             exit_criterion=ForcedExits(forced_schedule([3, 0, 1])), return_dict_in_generate=True)
+                             exit_kv="deferred", exit_criterion=ForcedExits(forced_schedule([3, 0, 1])),
+                             cache_implementation=cache_implementation, return_dict_in_generate=True)
     assert partial.cache.num_pending == 2
-    assert partial.cache.layers[0].keys.shape[2] == partial.cache.layers[3].keys.shape[2] + 2
+    assert partial.cache.layers[0].get_seq_length() == partial.cache.layers[3].get_seq_length() + 2
 
 
-def test_batch_policy_unconfident_row_keeps_batch_going_finished_row_does_not(base_dirs):
-    model = ee_model(base_dirs)
-    ids, mask = padded_batch(batch=2)
+def _prompts_for_eos_test(model, scripted_token):
+    """A 2-row padded batch whose rows' full-depth first tokens differ from each other and from `scripted_token`
+    (row 1's first token becomes the EOS below, which row 0 must not produce)."""
+    for seed in range(1, 20):
+        ids, mask = padded_batch(batch=2, seed=seed)
+        first = model.generate(ids, attention_mask=mask, max_new_tokens=1, do_sample=False, early_exit=False)
+        if first[0, -1] != first[1, -1] and first[1, -1] != scripted_token:
+            return ids, mask
+    raise AssertionError("no seed gave two rows with different first tokens")
+
+
+def test_batch_policy_unconfident_row_keeps_batch_going_finished_row_does_not(base_dirs, family):
+    model = ee_model(base_dirs, family)
+    ids, mask = _prompts_for_eos_test(model, scripted_token=5)
+
     def confident_row0(n, vocab, hidden):  # batch policy: all rows run together, so local row i is batch row i
         logits = torch.zeros(n, vocab, dtype=hidden.dtype)
         logits[0, 5] = 50.0
@@ -228,15 +233,13 @@ def test_batch_policy_unconfident_row_keeps_batch_going_finished_row_does_not(ba
                          exit_threshold=0.9, exit_policy="batch", eos_token_id=eos, pad_token_id=0,
                          return_dict_in_generate=True)
     counter.remove()
-    if int(out.sequences[0, ids.shape[1]]) == eos:
-        pytest.skip("row 0 drew the same first token")  # not expected with this seed
     assert out.exit_layers[1].tolist() == [3, -1, -1, -1]
     assert out.exit_layers[0, 1:].tolist() == [0, 0, 0]
     assert counter.calls == [4, 1, 1, 1]  # prefill runs all layers; then the batch stops after layer 0
 
 
-def test_row_policy_runs_deep_layers_only_for_unconfident_rows(base_dirs):
-    model = ee_model(base_dirs)
+def test_row_policy_runs_deep_layers_only_for_unconfident_rows(base_dirs, family):
+    model = ee_model(base_dirs, family)
     ids, mask = padded_batch(batch=3)
     # exit 0 is confident for every row, exits 1-2 never: with exit_check_layers [0] rows stop at layer 0 ...
     counter = LayerCounter(model)
@@ -255,12 +258,11 @@ def test_row_policy_runs_deep_layers_only_for_unconfident_rows(base_dirs):
     assert out.exit_layers.tolist() == [[0] * 4, [3] * 4, [0] * 4]
     assert counter.rows == [3 * 4, 3 + 3, 3 + 3, 3 + 3]  # layers 1-3: prefill 3 rows, then 1 row per step
     for j in range(LAYERS):
-        assert out.cache.layers[j].keys.shape[2] == out.sequences.shape[1] - 1
+        assert out.cache.layers[j].get_seq_length() == out.sequences.shape[1] - 1
 
 
-@pytest.mark.parametrize("family_name", ["llama", "qwen3"])
-def test_row_policy_batch_row_equals_prompt_alone(base_dirs, family_name):
-    model = ee_model(base_dirs, family_name)
+def test_row_policy_batch_row_equals_prompt_alone(base_dirs, family):
+    model = ee_model(base_dirs, family)
     ids, mask = padded_batch(batch=3)
     # a threshold at the median of the heads' confidence gives a mix of exits
     with torch.no_grad():
@@ -278,6 +280,8 @@ def test_row_policy_batch_row_equals_prompt_alone(base_dirs, family_name):
         assert torch.equal(alone.sequences[0], batch.sequences[row, ~torch.cat([~keep, torch.zeros(6, dtype=bool)])])
         assert torch.equal(alone.exit_layers[0], batch.exit_layers[row])
 
+
+# --- decoding features (one family) ----------------------------------------------------------------------------------
 
 def test_stable_token_exit_with_patience(base_dirs):
     model = ee_model(base_dirs)

@@ -1,4 +1,4 @@
-"""Issue 2: the model classes, conversion, saving and remote-code loading."""
+"""Issue 2: the model classes, conversion, saving and remote-code loading, over the family matrix."""
 
 import json
 import logging
@@ -10,11 +10,12 @@ import textwrap
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config
+from transformers import AutoModel, AutoModelForCausalLM, BertConfig
 
 import ee_transformers as eet
-from conftest import FAMILIES, padded_batch
+from conftest import FAMILIES, cut_at_exit, decoder_names, padded_batch
 
+# plain model_type -> (early-exit causal LM, early-exit model_type)
 EXPECTED = {
     "llama": ("EarlyExitLlamaForCausalLM", "early_exit_llama"),
     "mistral": ("EarlyExitMistralForCausalLM", "early_exit_mistral"),
@@ -23,49 +24,41 @@ EXPECTED = {
 }
 
 
-def test_from_base_picks_family_class(base_dirs, family):
-    folder, _ = base_dirs[family]
+def expected(base):
+    return EXPECTED[base.config.model_type]
+
+
+def test_from_base_picks_the_family_class(base_dirs, family):
+    folder, base = base_dirs[family]
     model = eet.from_base(folder, exit_layers=[0, 2])
-    cls_name, model_type = EXPECTED[family]
+    cls_name, model_type = expected(base)
     assert type(model).__name__ == cls_name
     assert model.config.model_type == model_type
     assert model.config.exit_layers == [0, 2]
     assert isinstance(model.config, type(model).config_class)
+    assert isinstance(model, type(base))  # the family's own class underneath: same modules, same weight names
     # the per-family class loads the same way
-    direct = getattr(eet, cls_name).from_pretrained(folder, exit_layers=[1])
+    direct = type(model).from_pretrained(folder, exit_layers=[1])
     assert direct.config.exit_layers == [1]
 
 
-def test_lm_head_is_shared_not_copied(base_dirs):
-    model = eet.from_base(base_dirs["llama"][0], exit_layers=[0, 1, 2])
+def test_lm_head_is_shared_not_copied(base_dirs, family):
+    model = eet.from_base(base_dirs[family][0], exit_layers=[0, 1, 2])
     names = [name for name, _ in model.named_parameters()]
     assert sum("lm_head" in name for name in names) <= 1
     assert not any("lm_head" in name for name in names if name.startswith("exit_heads"))
 
 
-def test_forward_is_bit_identical_to_base(base_dirs, family):
+def test_exits_disabled_forward_is_bit_identical_to_base(base_dirs, family):
     folder, base = base_dirs[family]
     model = eet.from_base(folder, exit_layers=[0, 1, 2]).eval()
     ids, mask = padded_batch()
     with torch.no_grad():
-        expected = base(ids, attention_mask=mask).logits
+        expected_logits = base(ids, attention_mask=mask).logits
         out = model(ids, attention_mask=mask, output_exit_logits=True)
-    assert torch.equal(out.logits, expected)
+    assert torch.equal(out.logits, expected_logits)
     assert len(out.exit_logits) == 3
-    assert all(t.shape == expected.shape for t in out.exit_logits)
-
-
-@pytest.mark.parametrize("cache_implementation", [None, "static"])
-def test_generate_is_bit_identical_to_base(base_dirs, family, cache_implementation):
-    folder, base = base_dirs[family]
-    model = eet.from_base(folder, exit_layers=[0, 2]).eval()
-    ids, mask = padded_batch()
-    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, cache_implementation=cache_implementation)
-    expected = base.generate(ids, **kwargs)
-    assert torch.equal(model.generate(ids, **kwargs), expected)
-    out = model.generate(ids, return_dict_in_generate=True, **kwargs)
-    assert torch.equal(out.sequences, expected)
-    assert (out.exit_layers == model.config.num_hidden_layers - 1).all()
+    assert all(t.shape == expected_logits.shape for t in out.exit_logits)
 
 
 def test_exit_logits_equal_base_cut_at_exit_plus_head(base_dirs, family):
@@ -78,25 +71,31 @@ def test_exit_logits_equal_base_cut_at_exit_plus_head(base_dirs, family):
             head.up.weight.normal_(std=0.1)
     ids, mask = padded_batch()
     with torch.no_grad():
-        hidden = base(ids, attention_mask=mask, output_hidden_states=True).hidden_states
         out = model(ids, attention_mask=mask, output_exit_logits=True)
-        for i, layer in enumerate(model.config.exit_layers):
-            head = model.exit_heads[i]
-            x = head.norm(hidden[layer + 1])
-            x = x + head.up(torch.nn.functional.silu(head.down(x)))
-            torch.testing.assert_close(out.exit_logits[i], base.lm_head(x), rtol=0, atol=0)
+        for i in range(len(model.config.exit_layers)):
+            # the family's own forward, cut after the exit layer, with the exit head as its final norm (and the
+            # family's own LM head and final logit soft-cap after it)
+            reference = cut_at_exit(base, model, i)(ids, attention_mask=mask).logits
+            torch.testing.assert_close(out.exit_logits[i], reference, rtol=0, atol=0)
 
 
-def test_fresh_heads_equal_final_norm_and_adapter_starts_silent(base_dirs):
-    folder, base = base_dirs["llama"]
-    with torch.no_grad():
-        base_norm = base.model.norm.weight.clone()
+def test_fresh_exit_heads_are_the_final_norm_and_adapters_start_silent(base_dirs, family):
+    folder, base = base_dirs[family]
+    decoder, _, norm = decoder_names(base)
+    final_norm = getattr(getattr(base, decoder), norm)
     norm_model = eet.from_base(folder, exit_layers=[1, 2])
     adapter_model = eet.from_base(folder, exit_layers=[1, 2], exit_head="adapter", exit_adapter_rank=4)
     ids, mask = padded_batch()
     for model in (norm_model, adapter_model):
         for head in model.exit_heads:
-            assert torch.equal(head.norm.weight, base_norm)
+            # the final norm's own type (GPT-2: LayerNorm with bias; Gemma: weights stored as w for a 1 + w scale),
+            # and its parameters: a fresh head is exactly "apply the final norm early"
+            assert type(head.norm) is type(final_norm)
+            assert head.norm.state_dict().keys() == final_norm.state_dict().keys()
+            for name, value in final_norm.state_dict().items():
+                assert torch.equal(head.norm.state_dict()[name], value), name
+            x = torch.randn(2, 3, base.config.hidden_size)
+            assert torch.equal(head.norm(x), final_norm(x))  # same eps, same convention
     assert all((head.up.weight == 0).all() for head in adapter_model.exit_heads)
     with torch.no_grad():
         a = norm_model(ids, attention_mask=mask, output_exit_logits=True).exit_logits
@@ -135,11 +134,12 @@ def test_bad_arguments_fail_before_weights_load(base_dirs, tmp_path, kwargs, mat
 
 
 def test_unsupported_family_names_the_supported_ones(tmp_path):
-    GPT2Config(n_layer=2, n_embd=32, n_head=2).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="gpt2") as info:
+    BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64).save_pretrained(
+        tmp_path)
+    with pytest.raises(ValueError, match="bert") as info:
         eet.from_base(tmp_path, exit_layers=[0])
-    for name in FAMILIES:
-        assert name in str(info.value)
+    for name in eet.FAMILIES:
+        assert repr(name) in str(info.value)
 
 
 def _tiny_tokenizer():
@@ -153,7 +153,7 @@ def _tiny_tokenizer():
 
 
 REMOTE_SCRIPT = textwrap.dedent("""
-    import importlib.abc, json, socket, sys
+    import importlib.abc, json, socket, sys, traceback
     class NoPackage(importlib.abc.MetaPathFinder):  # ee_transformers must not be importable
         def find_spec(self, name, path, target=None):
             if name.split(".")[0] == "ee_transformers":
@@ -167,38 +167,72 @@ REMOTE_SCRIPT = textwrap.dedent("""
         raise RuntimeError("the remote code unpickled something")
     pickle.load = pickle.loads = no_pickle
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-    folder, ids_file = sys.argv[1], sys.argv[2]
-    config = AutoConfig.from_pretrained(folder, trust_remote_code=True)
-    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
-    ids = torch.tensor(json.load(open(ids_file)))
-    with torch.no_grad():
-        logits = model(ids, output_exit_logits=True)
-    out = model.generate(ids, max_new_tokens=4, do_sample=False, exit_criterion="max_prob", exit_threshold=0.0,
-                         return_dict_in_generate=True)
-    print(json.dumps({"class": type(model).__name__, "model_type": config.model_type,
-                      "exit_layers": config.exit_layers, "logits_sum": float(logits.logits.double().sum()),
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+    folders, ids = json.load(open(sys.argv[1]))
+    ids = torch.tensor(ids)
+    for family, folder in folders.items():  # one process for every family: importing transformers is the slow part
+        try:
+            config = AutoConfig.from_pretrained(folder, trust_remote_code=True)
+            model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+            decoder = AutoModel.from_pretrained(folder, trust_remote_code=True).eval()
+            with torch.no_grad():
+                logits = model(ids, output_exit_logits=True)
+                hidden = decoder(ids, output_exit_hidden_states=True)
+            out = model.generate(ids, max_new_tokens=4, do_sample=False, exit_criterion="max_prob",
+                                 exit_threshold=0.0, return_dict_in_generate=True)
+            result = {"class": type(model).__name__, "decoder_class": type(decoder).__name__,
+                      "model_type": config.model_type, "exit_layers": config.exit_layers,
+                      "logits_sum": float(logits.logits.double().sum()),
                       "exit_sum": float(logits.exit_logits[0].double().sum()),
+                      "hidden_sum": float(hidden.last_hidden_state.double().sum()),
+                      "exit_hidden_sum": float(hidden.exit_hidden_states[0].double().sum()),
                       "tokens": out.sequences.tolist(), "exits": out.exit_layers.tolist(),
-                      "package_loaded": "ee_transformers" in sys.modules}))
+                      "package_loaded": "ee_transformers" in sys.modules}
+        except Exception:
+            result = {"error": traceback.format_exc()}
+        print(json.dumps({"family": family, **result}), flush=True)
 """)
+REMOTE_IDS = [[5, 6, 7, 8], [9, 10, 11, 12]]
 
 
-def test_saved_folder_is_hub_ready_and_loads_without_the_package(base_dirs, family, tmp_path):
-    folder, _ = base_dirs[family]
-    model = eet.from_base(folder, exit_layers=[0, 2], exit_head="adapter", exit_adapter_rank=4).eval()
-    with torch.no_grad():
-        model.exit_heads[0].up.weight.normal_(std=0.1)  # saved heads must come back as they are
-    model.tokenizer = _tiny_tokenizer()
-    out_dir = tmp_path / "ee"
-    model.save_pretrained(out_dir)
+@pytest.fixture(scope="module")
+def saved_folders(base_dirs, tmp_path_factory):
+    """Every family converted (adapter heads, non-trivial), saved with a tokenizer, and loaded back in ONE fresh
+    process where `ee_transformers` cannot be imported: {family: (model, folder, what the process saw)}."""
+    root = tmp_path_factory.mktemp("saved")
+    models, folders = {}, {}
+    for family in FAMILIES:
+        model = eet.from_base(base_dirs[family][0], exit_layers=[0, 2], exit_head="adapter",
+                              exit_adapter_rank=4).eval()
+        torch.manual_seed(5)
+        with torch.no_grad():
+            model.exit_heads[0].up.weight.normal_(std=0.1)  # saved heads must come back as they are
+        model.tokenizer = _tiny_tokenizer()
+        model.save_pretrained(root / family)
+        models[family], folders[family] = model, str(root / family)
+    (root / "inputs.json").write_text(json.dumps([folders, REMOTE_IDS]))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HOME": str(root / "hf")}
+    result = subprocess.run([sys.executable, "-c", REMOTE_SCRIPT, str(root / "inputs.json")], capture_output=True,
+                            text=True, env=env, cwd=root, timeout=600)
+    seen = {}
+    for line in result.stdout.splitlines():
+        if line.startswith("{"):
+            entry = json.loads(line)
+            seen[entry.pop("family")] = entry
+    log = f"exit code {result.returncode}\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
+    return {family: (models[family], root / family, seen.get(family, {"error": log})) for family in FAMILIES}
 
+
+def test_saved_folder_is_hub_ready_and_loads_without_the_package(saved_folders, base_dirs, family):
+    model, out_dir, remote = saved_folders[family]
+    cls_name, model_type = expected(base_dirs[family][1])
     files = set(os.listdir(out_dir))
     assert {"model.safetensors", "config.json", "README.md", "tokenizer.json", "modeling_early_exit.py",
             "configuration_early_exit.py"} <= files
     assert not any(name.endswith((".bin", ".pt", ".pkl")) for name in files)
     config = json.loads((out_dir / "config.json").read_text())
-    assert config["auto_map"]["AutoModelForCausalLM"] == f"modeling_early_exit.{EXPECTED[family][0]}"
+    assert config["auto_map"]["AutoModelForCausalLM"] == f"modeling_early_exit.{cls_name}"
+    assert config["auto_map"]["AutoModel"] == f"modeling_early_exit.{model.base_model_class.__name__}"
     assert config["exit_layers"] == [0, 2]
     card = (out_dir / "README.md").read_text()
     front = card.split("---")[1]
@@ -207,26 +241,42 @@ def test_saved_folder_is_hub_ready_and_loads_without_the_package(base_dirs, fami
         assert line in front
     assert "trust_remote_code=True" in card
 
-    ids = [[5, 6, 7, 8], [9, 10, 11, 12]]
-    (tmp_path / "ids.json").write_text(json.dumps(ids))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
-    result = subprocess.run([sys.executable, "-c", REMOTE_SCRIPT, str(out_dir), str(tmp_path / "ids.json")],
-                            capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
-    assert lines, result.stdout[-2000:] + result.stderr[-2000:]
-    remote = json.loads(lines[-1])
-    assert remote["class"] == EXPECTED[family][0] and remote["model_type"] == EXPECTED[family][1]
+    assert "error" not in remote, remote["error"]
+    assert remote["class"] == cls_name and remote["model_type"] == model_type
+    assert remote["decoder_class"] == model.base_model_class.__name__
     assert remote["package_loaded"] is False
+    ids = torch.tensor(REMOTE_IDS)
     with torch.no_grad():
-        local = model(torch.tensor(ids), output_exit_logits=True)
+        local = model(ids, output_exit_logits=True)
+        hidden = model.get_decoder()(ids).last_hidden_state
     assert remote["logits_sum"] == pytest.approx(float(local.logits.double().sum()), rel=1e-6)
     assert remote["exit_sum"] == pytest.approx(float(local.exit_logits[0].double().sum()), rel=1e-6)
+    assert remote["hidden_sum"] == pytest.approx(float(hidden.double().sum()), rel=1e-6)
     assert all(layer == 0 for row in remote["exits"] for layer in row)
+    local_tokens = model.generate(ids, max_new_tokens=4, do_sample=False, exit_criterion="max_prob",
+                                  exit_threshold=0.0)
+    assert remote["tokens"] == local_tokens.tolist()
 
     again = eet.from_base(out_dir)  # and back through our own loader, tokenizer included
     assert again.tokenizer is not None
     assert torch.equal(again.exit_heads[0].up.weight, model.exit_heads[0].up.weight)
+
+
+def test_auto_model_is_the_family_decoder_plus_exit_features(saved_folders, base_dirs, family):
+    model, out_dir, _ = saved_folders[family]
+    base = base_dirs[family][1]
+    decoder = AutoModel.from_pretrained(out_dir, trust_remote_code=True).eval()
+    assert type(decoder).__name__ == model.base_model_class.__name__
+    assert isinstance(decoder, type(base.get_decoder()))
+    ids, mask = padded_batch()
+    with torch.no_grad():
+        out = decoder(ids, attention_mask=mask, output_exit_hidden_states=True)
+        want = base.get_decoder()(ids, attention_mask=mask, output_hidden_states=True)
+    assert torch.equal(out.last_hidden_state, want.last_hidden_state)
+    for i, layer in enumerate(model.config.exit_layers):
+        with torch.no_grad():
+            head = model.exit_heads[i](want.hidden_states[layer + 1])
+        assert torch.equal(out.exit_hidden_states[i], head)
 
 
 def test_auto_class_loads_in_process_with_package(base_dirs, tmp_path):
