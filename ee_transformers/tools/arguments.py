@@ -1,7 +1,7 @@
 """Typed configs and the command lines generated from them.
 
 A config is a dataclass whose fields carry `metadata={"help": ...}`, plus `"choices"` for a fixed set of values and
-`"min"` / `"max"` (inclusive) or `"above"` (exclusive) for numbers. `check_fields` validates an instance against its
+`"min"` / `"max"` (inclusive) or `"above"` / `"below"` (exclusive) for numbers. `check_fields` validates an instance against its
 annotations and that metadata (call it from `__post_init__`, then check what relates fields to each other), raising a
 `ValueError` that names the field and what is allowed. `add_config_arguments` turns the fields into flags
 (`batch_sizes: list[int]` -> `--batch-sizes 1,8`, `sweep: bool` -> `--sweep / --no-sweep`) and `config_from_args`
@@ -50,7 +50,7 @@ def _describe(kind, meta) -> str:
     if "choices" in meta:
         return "one of " + ", ".join(repr(c) for c in meta["choices"])
     bounds = [f"> {meta['above']}" if "above" in meta else None, f">= {meta['min']}" if "min" in meta else None,
-              f"<= {meta['max']}" if "max" in meta else None]
+              f"<= {meta['max']}" if "max" in meta else None, f"< {meta['below']}" if "below" in meta else None]
     return " ".join([noun, " and ".join(b for b in bounds if b)]).strip()
 
 
@@ -63,7 +63,7 @@ def _valid(value, kind, meta) -> bool:
         if value != value:  # NaN passes no bound
             return False
         return (value > meta["above"] if "above" in meta else True) and value >= meta.get("min", value) \
-            and value <= meta.get("max", value)
+            and value <= meta.get("max", value) and (value < meta["below"] if "below" in meta else True)
     if kind is str:
         return isinstance(value, str) and ("choices" not in meta or value in meta["choices"])
     return True

@@ -29,6 +29,7 @@ Python use:
 import dataclasses
 import itertools
 import json
+import statistics
 import os
 import sys
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from ee_transformers.generation_early_exit import EXIT_CRITERIA
 from ee_transformers.tools.arguments import (ArgumentParser, InputError, add_config_arguments, check_fields,
                                              config_from_args, flag_names, run_command)
 from ee_transformers.tools.costs import measure_costs as measure_cost_pieces
+from ee_transformers.training.guarantee import learn_then_test
 from ee_transformers.generation_early_exit import LOGIT_CRITERIA, logit_score
 
 CRITERIA = tuple(EXIT_CRITERIA)  # the built-in criteria (a benchmark may register more)
@@ -79,6 +81,20 @@ class CalibrationConfig:
     verify_rounds: int = field(default=3, metadata={"help": "searches rerun with a raised target while verification "
                                                             "misses", "min": 1})
     seed: int = field(default=0, metadata={"help": "seed of the A/B split"})
+    guarantee: float | None = field(default=None, metadata={
+        "help": "choose thresholds by Learn then Test so that, with probability 1 - confidence over the calibration "
+                "sample, the per-token disagreement rate with full depth is at most this (instead of "
+                "target_agreement)", "above": 0, "below": 1})
+    confidence: float = field(default=0.1, metadata={
+        "help": "delta of the guarantee: the probability the promise may fail", "above": 0, "below": 1})
+    measure_speed: bool = field(default=False, metadata={
+        "help": "decode held-out prompts with the choice and full depth, interleaved, and keep exits on only when "
+                "the measured speed-up's lower quartile clears 1.0"})
+    speed_prompts: int = field(default=4, metadata={"help": "held-out prompts per speed measurement", "min": 1})
+    speed_new_tokens: int = field(default=32, metadata={"help": "tokens decoded per speed run", "min": 2})
+    speed_repeats: int = field(default=3, metadata={"help": "interleaved rounds per speed measurement", "min": 1})
+    speed_candidates: int = field(default=3, metadata={
+        "help": "settings measured at most, fastest predicted first, until one clears 1.0", "min": 1})
 
     def __post_init__(self):
         check_fields(self)
@@ -291,6 +307,48 @@ def search_policy(data: dict, exit_layers: list, num_layers: int, costs: dict, c
     return {"best": per_subset[0] if per_subset else None, "candidates": per_subset[:10]}
 
 
+def guaranteed_policy(data: dict, grid_data: dict, exit_layers: list, num_layers: int, costs: dict, criterion: str,
+                      epsilon: float, delta: float, patience: int = 0, group: int = 1) -> dict:
+    """Learn then Test (see `guarantee.py`): every exit subset with one shared threshold is a sequence of hypotheses
+    "disagreement rate > epsilon", thresholds from the most conservative down, taken from `grid_data`'s scores (the
+    other split: the hypotheses do not depend on the errors they are tested on); errors are counted on `data`. The
+    fastest predicted certified setting is returned as "best" (None: nothing certified, full depth)."""
+    errors, results = {}, {}
+    for subset in _subsets(len(exit_layers)):
+        check = list(subset)
+        pairs = []
+        for t in sorted(_threshold_grid(grid_data["scores"][:, check].flatten()), reverse=True):
+            r = simulate(data, exit_layers, num_layers, check, [t] * len(check), costs, criterion, patience, group)
+            pairs.append((t, round((1.0 - r["agreement"]) * r["positions"])))
+            results[(subset, t)] = dict(r, check=check, thresholds=[t] * len(check))
+        errors[subset] = pairs
+    n = next(iter(results.values()))["positions"] if results else 0
+    certified = learn_then_test(errors, n, epsilon, delta) if n else {}
+    passed = [dict(results[(subset, c.threshold)], p_value=c.p_value) for subset, found in certified.items()
+              for c in found]
+    passed.sort(key=lambda r: -r["speedup"])
+    return {"best": passed[0] if passed else None, "candidates": passed[:10], "tested_sets": len(errors),
+            "positions": n}
+
+
+def measure_speed(model, prompts: torch.LongTensor, exit_kwargs: dict, config: "CalibrationConfig") -> dict:
+    """Decodes `prompts` with `exit_kwargs` and at full depth on the same weights, interleaved in pairs (the
+    benchmark's method), at `config.decode_batch_size`. Returns the paired speed-ups: median, lower quartile, all."""
+    from ee_transformers.tools.bench import BenchConfig, compare, plain_twin
+
+    plain = plain_twin(model)
+    batch = min(config.decode_batch_size, prompts.shape[0])
+    bench_config = BenchConfig(batch_sizes=[batch], max_batches=[max(1, prompts.shape[0] // batch)],
+                               new_tokens=config.speed_new_tokens, repeats=config.speed_repeats)
+    rows = [{"domain": "held-out", "ids": row.tolist()} for row in prompts]
+    result = compare(model, plain, rows, exit_kwargs, config=bench_config, batch_size=batch)
+    values = result["speedup"]["values"]
+    quartile = statistics.quantiles(values, n=4)[0] if len(values) >= 2 else values[0]
+    return {"median": result["speedup"]["median"], "lower_quartile": quartile, "values": values,
+            "pairs": len(values), "batch_size": batch, "new_tokens": config.speed_new_tokens,
+            "identical_token_share": result["agreement"]["share"]}
+
+
 # ---------------------------------------------------------------------------------------------------------- calibrate
 def _as_blocks(data, tokenizer, block_size):
     if isinstance(data, torch.Tensor):
@@ -400,19 +458,71 @@ def calibrate(model, data, config: CalibrationConfig | None = None, tokenizer=No
     verify = config.verify_prompts
     prompts = split_b[:verify, :config.verify_prompt_length] if verify else None
     search_target = target_agreement
-    for _ in range(max(1, config.verify_rounds if verify else 1)):
+    if config.guarantee is not None:  # Learn then Test: certified on split A, thresholds from split B's scores
+        found = guaranteed_policy(data_a, data_b, exit_layers, num_layers, costs, criterion, config.guarantee,
+                                  config.confidence, patience, group)
+        best = found["best"]
+        report["guarantee"] = {
+            "epsilon": config.guarantee, "delta": config.confidence, "positions": found["positions"],
+            "tested_exit_sets": found["tested_sets"], "certified": len(found["candidates"]),
+            "assumption": "held-out positions exchangeable with the text decoded later (same kind of text, many "
+                          "documents); the rate is per token, teacher-forced"}
+        report["candidates"] = [_candidate(c, exit_layers) for c in found["candidates"]]
+        if best is not None and prompts is not None:  # on-policy agreement is reported, not used to choose
+            checked = on_policy_agreement(model, prompts, _exit_kwargs(criterion, [exit_layers[i] for i in best["check"]],
+                                                                       best["thresholds"], policy, patience, kv),
+                                          config.verify_new_tokens, decode_batch_size)
+            report["on_policy_B"] = checked
+    else:
+        found, best = _search_verified(model, report, data_a, exit_layers, num_layers, costs, config, prompts, group)
+        search_target = report.pop("_search_target")
+    if best is not None and best["speedup"] >= 1.0:
+        _choose(report, best, data_b, exit_layers, num_layers, costs, config, group)
+        if config.measure_speed:
+            speed_prompts = split_b[:config.speed_prompts, :config.verify_prompt_length]
+            _keep_if_measured_faster(model, report, best, found["candidates"], speed_prompts, data_b, exit_layers,
+                                     num_layers, costs, config, group)
+    elif report["verification"] and (best is None or best["speedup"] >= 1.0):
+        last = report["verification"][-1]
+        report["message"] = (f"exits left off: really decoding held-out prompts, the best policy agreed with full "
+                             f"depth on only {last['agreement']:.3f} of tokens (target {target_agreement})")
+    elif best is not None:
+        report["message"] = (f"exits left off: the best policy reaching the quality target "
+                             f"(exits {[exit_layers[i] for i in best['check']]}) predicts only {best['speedup']:.2f}x, "
+                             "slower than full depth once check costs are counted")
+    elif config.guarantee is not None:
+        report["message"] = (f"exits left off: no setting is certified to disagree with full depth on at most "
+                             f"{config.guarantee} of tokens with confidence {1 - config.confidence:.2f} on "
+                             f"{report['guarantee']['positions']} positions (more held-out text certifies more)")
+    else:
+        report["message"] = f"exits left off: no exit policy reaches agreement {target_agreement} on split A"
+    if report["chosen"] is None and search_target > target_agreement:
+        first = report["verification"][0]
+        report["message"] += (f" (really decoding, the first choice agreed on only {first['agreement']:.3f}, so the "
+                              f"teacher-forced target was raised to {search_target:.3f})")
+    return report
+
+
+def _candidate(c, exit_layers):
+    return {**{k: v for k, v in c.items() if k != "check"}, "check_layers": [exit_layers[i] for i in c["check"]]}
+
+
+def _search_verified(model, report, data_a, exit_layers, num_layers, costs, config, prompts, group):
+    """The target-agreement search, verified on-policy: while really decoding misses the target, the search reruns
+    with the target raised by the shortfall. Returns (search result, best or None)."""
+    criterion, policy, patience, kv = config.criterion, config.policy, config.patience, config.kv
+    target_agreement = search_target = config.target_agreement
+    found = best = None
+    for _ in range(max(1, config.verify_rounds if prompts is not None else 1)):
         found = search_policy(data_a, exit_layers, num_layers, costs, criterion, search_target, patience, group=group)
         best = found["best"]
-        report["candidates"] = [{**{k: v for k, v in c.items() if k != "check"},
-                                 "check_layers": [exit_layers[i] for i in c["check"]]} for c in found["candidates"]]
-        if best is None or best["speedup"] < 1.0:
+        report["candidates"] = [_candidate(c, exit_layers) for c in found["candidates"]]
+        if best is None or best["speedup"] < 1.0 or prompts is None:
             break
         check_layers = [exit_layers[i] for i in best["check"]]
-        if prompts is None:
-            break
         checked = on_policy_agreement(model, prompts, _exit_kwargs(criterion, check_layers, best["thresholds"], policy,
                                                                    patience, kv),
-                                      config.verify_new_tokens, decode_batch_size)
+                                      config.verify_new_tokens, config.decode_batch_size)
         report["verification"].append({"search_target": search_target, "check_layers": check_layers,
                                        "thresholds": [float(t) for t in best["thresholds"]], **checked})
         if checked["agreement"] >= target_agreement:
@@ -424,32 +534,57 @@ def calibrate(model, data, config: CalibrationConfig | None = None, tokenizer=No
         search_target = min(1.0, search_target + (target_agreement - checked["agreement"]))
     else:
         best = None  # every verified round missed the target
-    if best is not None and best["speedup"] >= 1.0:
-        check_layers = [exit_layers[i] for i in best["check"]]
-        report["chosen"] = {"check_layers": check_layers, "thresholds": [float(t) for t in best["thresholds"]]}
-        report["selection_A"] = {k: best[k] for k in ("agreement", "mean_exit_layer", "exit_rate", "speedup")}
-        report["heldout_B"] = simulate(data_b, exit_layers, num_layers, best["check"], best["thresholds"], costs,
-                                       criterion, patience, group)
-        report["message"] = (f"check exits {check_layers} at thresholds "
-                             f"{[round(t, 4) for t in best['thresholds']]}: predicted {report['heldout_B']['speedup']:.2f}x "
-                             f"at agreement {report['heldout_B']['agreement']:.3f} on held-out split B")
-        if report["on_policy_B"] is not None:
-            report["message"] += f" ({report['on_policy_B']['agreement']:.3f} when really decoding)"
-    elif report["verification"] and (best is None or best["speedup"] >= 1.0):
-        last = report["verification"][-1]
-        report["message"] = (f"exits left off: really decoding held-out prompts, the best policy agreed with full "
-                             f"depth on only {last['agreement']:.3f} of tokens (target {target_agreement})")
-    elif best is not None:
-        report["message"] = (f"exits left off: the best policy reaching agreement {target_agreement} "
-                             f"(exits {[exit_layers[i] for i in best['check']]}) predicts only {best['speedup']:.2f}x, "
-                             "slower than full depth once check costs are counted")
-    else:
-        report["message"] = f"exits left off: no exit policy reaches agreement {target_agreement} on split A"
-    if report["chosen"] is None and search_target > target_agreement:
-        first = report["verification"][0]
-        report["message"] += (f" (really decoding, the first choice agreed on only {first['agreement']:.3f}, so the "
-                              f"teacher-forced target was raised to {search_target:.3f})")
-    return report
+    report["_search_target"] = search_target
+    return found, best
+
+
+def _choose(report, best, data_b, exit_layers, num_layers, costs, config, group):
+    check_layers = [exit_layers[i] for i in best["check"]]
+    report["chosen"] = {"check_layers": check_layers, "thresholds": [float(t) for t in best["thresholds"]]}
+    report["selection_A"] = {k: best[k] for k in ("agreement", "mean_exit_layer", "exit_rate", "speedup")}
+    report["heldout_B"] = simulate(data_b, exit_layers, num_layers, best["check"], best["thresholds"], costs,
+                                   config.criterion, config.patience, group)
+    report["message"] = (f"check exits {check_layers} at thresholds {[round(t, 4) for t in best['thresholds']]}: "
+                         f"predicted {report['heldout_B']['speedup']:.2f}x at per-token agreement "
+                         f"{report['heldout_B']['agreement']:.3f} (teacher-forced) on held-out split B")
+    if report["on_policy_B"] is not None:
+        report["message"] += f"; {report['on_policy_B']['agreement']:.3f} given its own prefix when really decoding"
+
+
+def _keep_if_measured_faster(model, report, best, candidates, prompts, data_b, exit_layers, num_layers, costs, config,
+                             group):
+    """The speed promise: measure the choice (then the next fastest predicted candidates) against full depth; keep
+    the first whose measured speed-up's lower quartile clears 1.0, else store full depth and say how close it came."""
+    order = [best] + [c for c in candidates if c is not best and c["speedup"] >= 1.0]
+    tried, winner = [], None
+    for candidate in order[:config.speed_candidates]:
+        check_layers = [exit_layers[i] for i in candidate["check"]]
+        measured = measure_speed(model, prompts, _exit_kwargs(config.criterion, check_layers, candidate["thresholds"],
+                                                              config.policy, config.patience, config.kv), config)
+        tried.append({"check_layers": check_layers, "thresholds": [float(t) for t in candidate["thresholds"]],
+                      "predicted_speedup": candidate["speedup"], "measured": measured})
+        if measured["lower_quartile"] > 1.0:
+            winner = candidate
+            break
+    report["speed"] = {"tried": tried, "kept": winner is not None}
+    if winner is None:
+        closest = max(tried, key=lambda t: t["measured"]["lower_quartile"])
+        q = closest["measured"]["lower_quartile"]
+        report["chosen"] = report["selection_A"] = report["heldout_B"] = None
+        report["message"] = (
+            f"exits left off: measured against full depth on this machine (batch {closest['measured']['batch_size']},"
+            f" {closest['measured']['pairs']} interleaved pairs), no setting's speed-up cleared 1.0 in its lower "
+            f"quartile; the closest, exits {closest['check_layers']} at thresholds "
+            f"{[round(t, 4) for t in closest['thresholds']]}, measured {closest['measured']['median']:.2f}x median "
+            f"({q:.2f}x lower quartile, predicted {closest['predicted_speedup']:.2f}x): it would need its decoding "
+            f"steps {100 * (1 - q):.0f}% faster to pay")
+        return
+    if winner is not best:  # the next candidate paid where the first did not (on-policy check was for the first)
+        report["on_policy_B"] = None
+        _choose(report, winner, data_b, exit_layers, num_layers, costs, config, group)
+    m = tried[-1]["measured"]
+    report["message"] += (f"; measured {m['median']:.2f}x median ({m['lower_quartile']:.2f}x lower quartile) against "
+                          f"full depth on this machine")
 
 
 def apply_calibration(model, report: dict) -> None:
@@ -473,11 +608,19 @@ def apply_calibration(model, report: dict) -> None:
 
 
 def calibration_card(report: dict) -> str:
-    """The card's calibration section (markdown)."""
+    """The card's calibration section (markdown). Quality figures are named by the measure they are (see
+    `ee_transformers.tools.quality`)."""
     c = report["costs"]
+    if report.get("guarantee"):
+        g = report["guarantee"]
+        goal = (f"Thresholds chosen by Learn then Test: with probability >= {1 - g['delta']:.2f} over the calibration "
+                f"sample, the per-token disagreement rate with full depth is <= {g['epsilon']} (assumption: "
+                f"{g['assumption']}; {g['positions']} positions, {g['tested_exit_sets']} exit sets tested, "
+                f"{g['certified']} settings certified).")
+    else:
+        goal = f"Target per-token agreement with full depth (teacher-forced) >= {report['target_agreement']}."
     lines = [
-        f"Criterion `{report['criterion']}`, policy `{report['policy']}`, patience {report['patience']}, "
-        f"target greedy agreement with full depth >= {report['target_agreement']}.",
+        f"Criterion `{report['criterion']}`, policy `{report['policy']}`, patience {report['patience']}. {goal}",
         "",
         f"Measured costs on `{c.get('device', '?')}` ({c.get('dtype', '?')}, batch {c.get('batch_size', '?')}), in "
         f"decoder-layer steps: LM head through an exit head {c['head_cost']:.2f}"
@@ -485,37 +628,50 @@ def calibration_card(report: dict) -> str:
         + f", K/V backfill per skipped layer {c['backfill_cost']:.2f}.",
         "",
     ]
+    speed = report.get("speed")
     if report.get("chosen"):
         a, b = report["selection_A"], report["heldout_B"]
         thresholds = ", ".join(f"{layer}: {t:.4g}" for layer, t in
                                zip(report["chosen"]["check_layers"], report["chosen"]["thresholds"]))
+        measured = speed["tried"][-1]["measured"] if speed and speed.get("kept") else None
         lines += [
             f"Chosen: check exits {report['chosen']['check_layers']} with thresholds {{{thresholds}}} "
-            "(stored in `config.json`; `generate()` uses them when called without exit arguments).",
+            "(stored in `generation_config.json`; `generate()` uses them when called without exit arguments).",
             "",
-            "| split | positions | agreement | mean exit layer | exit rate | predicted speed-up |",
-            "|---|---|---|---|---|---|",
-            f"| A (chosen on) | {report['positions']['A']} | {a['agreement']:.3f} | {a['mean_exit_layer']:.2f} | "
-            f"{a['exit_rate']:.3f} | {a['speedup']:.2f}x |",
-            f"| B (reported) | {report['positions']['B']} | {b['agreement']:.3f} | {b['mean_exit_layer']:.2f} | "
-            f"{b['exit_rate']:.3f} | {b['speedup']:.2f}x |",
+            "| split | positions | per-token agreement | mean exit layer | exit rate | predicted speed-up | measured "
+            "speed-up |",
+            "|---|---|---|---|---|---|---|",
+            f"| A (chosen on), teacher-forced | {report['positions']['A']} | {a['agreement']:.3f} | "
+            f"{a['mean_exit_layer']:.2f} | {a['exit_rate']:.3f} | {a['speedup']:.2f}x | - |",
+            f"| B (reported), teacher-forced | {report['positions']['B']} | {b['agreement']:.3f} | "
+            f"{b['mean_exit_layer']:.2f} | {b['exit_rate']:.3f} | {b['speedup']:.2f}x | "
+            + (f"{measured['median']:.2f}x (lower quartile {measured['lower_quartile']:.2f}x) |" if measured else
+               "not measured |"),
         ]
         if report.get("on_policy_B"):
             v = report["on_policy_B"]
-            lines.append(f"| B, really decoded (on-policy) | {v['tokens']} tokens | {v['agreement']:.3f} | "
-                         f"{v['mean_exit_layer']:.2f} | {v['exit_rate']:.3f} | - |")
+            lines.append(f"| B, really decoded (own prefix) | {v['tokens']} tokens | {v['agreement']:.3f} | "
+                         f"{v['mean_exit_layer']:.2f} | {v['exit_rate']:.3f} | - | - |")
+        if measured:
+            lines += ["", f"Identical-token share against full-depth output in the speed runs: "
+                          f"{measured['identical_token_share']:.3f} (one early difference changes the rest of a "
+                          "text, so this is lower than per-token agreement)."]
     else:
         lines.append(f"**Early exit is off by default** ({report['message']}). Pass exit arguments to `generate()` "
                      "to try it anyway.")
     b = report.get("decode_batch_size", 1)
     grouped = " (batch policy: rows of a batch exit together)" if b > 1 and report["policy"] == "batch" else ""
     lines += ["", f"Predicted speed-ups are teacher-forced simulations at decode batch size {b}{grouped} with the "
-              "measured costs; the benchmark measures real decoding. Full report: `calibration.json`."]
+              "measured costs"
+              + ("; measured speed-ups are interleaved pairs of real decoding against full depth on the same weights"
+                 if speed else "; the benchmark measures real decoding") + ". Per-token agreement: the share of "
+              "early-exit tokens the full model would also choose at that position. Full report: `calibration.json`."]
     return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------------------------- cli
-CLI_DEFAULTS = {"verify_prompts": 8}  # the command checks its choice by really decoding; the Python default is off
+# the command checks its choice by really decoding, and its speed by measuring; the Python defaults are off
+CLI_DEFAULTS = {"verify_prompts": 8, "measure_speed": True}
 
 
 def build_parser():
