@@ -41,6 +41,7 @@ from ee_transformers.generation_early_exit import EXIT_CRITERIA
 from ee_transformers.tools.arguments import (ArgumentParser, InputError, add_config_arguments, check_fields,
                                              config_from_args, flag_names, run_command)
 from ee_transformers.tools.costs import measure_costs as measure_cost_pieces
+from ee_transformers.tools.quality import full_model_view
 from ee_transformers.training.guarantee import learn_then_test
 from ee_transformers.generation_early_exit import LOGIT_CRITERIA, logit_score
 
@@ -365,8 +366,9 @@ def _as_blocks(data, tokenizer, block_size):
 @torch.no_grad()
 def on_policy_agreement(model, prompts: torch.LongTensor, exit_kwargs: dict, new_tokens: int = 32,
                         batch_size: int = 1) -> dict:
-    """Decodes `prompts` (n, p) greedily with early exit (`exit_kwargs` as given to `generate`), then asks the full
-    model, on the very text it produced, what it would have chosen at each generated position. Unlike teacher-forced
+    """Per-token agreement, really decoded: decodes `prompts` (n, p) greedily with early exit (`exit_kwargs` as given
+    to `generate`), then asks the full model, on the very text it produced, what it would have chosen at each
+    generated position (`ee_transformers.tools.quality.full_model_view`). Unlike teacher-forced
     scores this sees the drift early exits cause in their own context. Returns agreement, mean exit layer, exit rate
     and the number of tokens (tokens after EOS are not counted)."""
     was_training = model.training
@@ -374,6 +376,8 @@ def on_policy_agreement(model, prompts: torch.LongTensor, exit_kwargs: dict, new
     device = model.model.embed_tokens.weight.device
     last = model.config.num_hidden_layers - 1
     pad = model.config.pad_token_id if model.config.pad_token_id is not None else model.config.eos_token_id
+    eos = model.generation_config.eos_token_id
+    eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
     agree = total = exited = 0
     layer_sum = 0.0
     for start in range(0, prompts.shape[0], batch_size):
@@ -381,11 +385,10 @@ def on_policy_agreement(model, prompts: torch.LongTensor, exit_kwargs: dict, new
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
                              return_dict_in_generate=True, pad_token_id=pad, **exit_kwargs)
         sequences, layers = out.sequences, out.exit_layers.to(device)
-        new = sequences[:, ids.shape[1]:]
-        reference = model(input_ids=sequences).logits[:, ids.shape[1] - 1:-1].argmax(-1)  # full depth
-        valid = layers >= 0
-        agree += int(((reference == new) & valid).sum())
-        total += int(valid.sum())
+        valid = layers >= 0  # decided tokens: up to and including each row's EOS
+        view = full_model_view(model, sequences, ids.shape[1], eos_ids=eos)  # per-token agreement, one definition
+        agree += view["agree"]
+        total += view["tokens"]
         exited += int(((layers < last) & valid).sum())
         layer_sum += float(layers[valid].double().sum())
     model.train(was_training)

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from ee_transformers.generation_early_exit import ExitCriterion
+from ee_transformers.tools.quality import EXPLAINER
 
 TARGETS = {"calibrated_min_speedup": 0.98, "frontier": ((0.95, 1.0), (0.90, 1.05)), "forced_realised_over_ideal": 0.9,
            "disabled_max_overhead": 0.02}
@@ -74,21 +75,23 @@ def format_table(report, include_sweep=True):
                      f"{cell('backfill')} | {cell('deferred_extra')} | {ms['prefill']:.1f} |")
     lines.append("")
     lines.append("**Results** (speed-up = plain ms/step over early-exit ms/step, median [min, max] of the paired "
-                 "ratios; agreement = share of greedy tokens identical to plain full depth)\n")
-    lines.append("| configuration | batch | speed-up | agreement | tokens to 1st divergence | mean exit layer | "
-                 "ideal | realised / ideal |")
-    lines.append("|---|---|---|---|---|---|---|---|")
+                 "ratios; " + EXPLAINER + " Perplexity: the full model's, of the early-exit continuation)\n")
+    lines.append("| configuration | batch | speed-up | per-token agreement | identical-token share | tokens to 1st "
+                 "divergence | perplexity | mean exit layer | ideal | realised / ideal |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|")
     for r in report["results"]:
         if r["kind"] == "sweep" and not include_sweep:
             continue
-        s, a = r["speedup"], r["agreement"]
+        s, a, q = r["speedup"], r["agreement"], r.get("quality") or {}
         lines.append(f"| {r['name']} | {r['batch_size']} | {_fmt(s['median'])}x [{_fmt(s['min'])}, {_fmt(s['max'])}]"
-                     f" | {_fmt(a['share'], '.3f')} | {_fmt(a['first_divergence'], '.1f')} | "
+                     f" | {_fmt(q.get('per_token_agreement', math.nan), '.3f')} | {_fmt(a['share'], '.3f')} | "
+                     f"{_fmt(a['first_divergence'], '.1f')} | {_fmt(q.get('continuation_ppl', math.nan), '.2f')} "
+                     f"({_fmt(q.get('full_depth_ppl', math.nan), '.2f')} full) | "
                      f"{_fmt(r['exits']['mean_exit_layer'], '.1f')} | {_fmt(r['ideal_speedup']['median'])}x | "
                      f"{_fmt(r['realised_over_ideal']['median'])} |")
     if report.get("profiles"):
         lines.append("")
-        lines.append("**Where one decoding step's time goes** (ms per step, hooks; prefill excluded)\n")
+        lines.append("**Where one decoding step's time goes** (ms per step, profiler labels; prefill excluded)\n")
         lines.append("| run | batch | step ms | layers | head checks | exit heads | backfill | final head | "
                      "other (Python) |")
         lines.append("|---|---|---|---|---|---|---|---|---|")
@@ -144,7 +147,7 @@ def plot_frontier(results, path):
         for i, (agree, speed) in enumerate(TARGETS["frontier"]):
             ax.plot([agree], [speed], marker="x", color="red", markersize=9, linestyle="none",
                     label="targets" if i == 0 else None)
-        ax.set_xlabel("greedy agreement with full depth")
+        ax.set_xlabel("identical-token share with full-depth greedy text")
         ax.set_ylabel("speed-up vs plain generate")
         ax.set_title(f"batch {batch_size}" if batch_size else "no sweep results")
         ax.grid(alpha=0.3)

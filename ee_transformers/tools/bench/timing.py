@@ -15,6 +15,7 @@ from ee_transformers.tools.bench.config import BenchConfig, Variant
 from ee_transformers.tools.bench.forced import ForcedExits, forced_profile
 from ee_transformers.tools.bench.loading import make_batches
 from ee_transformers.tools.costs import ideal_speedup
+from ee_transformers.tools.quality import full_model_view, identical_share, perplexity
 
 def _sync(device):
     if device.type == "cuda":
@@ -94,23 +95,18 @@ def _eos_ids(model):
 
 
 def agreement(plain_new, ee_new, eos_ids=()):
-    """Greedy agreement of early-exit tokens with full depth, `(batch, steps)` each.
+    """Identical-token share with full depth, per row (`ee_transformers.tools.quality.identical_share`): matches,
+    compared positions (up to the plain row's first EOS) and tokens until the first divergence."""
+    return identical_share(plain_new, ee_new, eos_ids)
 
-    Compared per row: positions up to the plain row's first EOS (included). Returns per-row matches, compared counts
-    and tokens until the first divergence (the compared length when none).
-    """
-    rows = []
-    for p, e in zip(plain_new.tolist(), ee_new.tolist()):
-        length = len(p)
-        for i, token in enumerate(p):
-            if token in eos_ids:
-                length = i + 1
-                break
-        length = min(length, len(e))
-        same = [p[i] == e[i] for i in range(length)]
-        first = next((i for i, s in enumerate(same) if not s), length)
-        rows.append({"matches": sum(same), "compared": length, "first_divergence": first})
-    return rows
+
+def _quality(views, plain_views):
+    """Per-token agreement (full model's choice given the early-exit prefix) and the full model's perplexity of the
+    early-exit continuation next to that of its own (see `ee_transformers.tools.quality`)."""
+    tokens, plain_tokens = sum(v["tokens"] for v in views), sum(v["tokens"] for v in plain_views)
+    return {"per_token_agreement": sum(v["agree"] for v in views) / max(tokens, 1),
+            "continuation_ppl": perplexity(sum(v["nll"] for v in views), tokens),
+            "full_depth_ppl": perplexity(sum(v["nll"] for v in plain_views), plain_tokens)}
 
 
 def _summarise(values):
@@ -195,11 +191,16 @@ def compare_many(ee_model, plain_model, batches, variants, config=None, repeats=
                 ideal = _ideal(settings, out.exit_layers.cpu(), costs)
                 record["ideal"].append(ideal)
                 record["realised_over_ideal"].append(plain_step_ms / ee_step_ms / ideal if ideal else math.nan)
-                if r == 0:  # greedy decoding is deterministic: one repeat gives the agreement
+                if r == 0:  # greedy decoding is deterministic: one repeat gives the quality figures
                     rows = agreement(plain_out.sequences[:, prompt_length:].cpu(),
                                      out.sequences[:, prompt_length:].cpu(), eos)
                     for row, domain in zip(rows, batch[2]):
                         record["agreement_rows"].append({**row, "domain": domain})
+                    mask = batch[1]
+                    record["views"].append(full_model_view(plain_model, out.sequences.to(mask.device), prompt_length,
+                                                           mask, eos))
+                    record["plain_views"].append(full_model_view(plain_model, plain_out.sequences.to(mask.device),
+                                                                 prompt_length, mask, eos))
             if log:
                 log(f"  batch {batch_size} repeat {r + 1}/{repeats} batch {b + 1}/{len(batches)}: plain "
                     f"{statistics.median(ms for ms, _ in plain_runs):.1f} ms/step; " + ", ".join(
@@ -221,7 +222,7 @@ def compare_many(ee_model, plain_model, batches, variants, config=None, repeats=
             "repeats": repeats,
             "exit_kwargs": dict(variant.exit_kwargs),
             "forced": variant.forced,
-            "criterion": None if settings is None else settings.criterion,
+            "criterion": None if settings is None else settings.criterion.name,
             "policy": None if settings is None else settings.policy,
             "kv": None if settings is None else settings.kv,
             "check_layers": None if settings is None else settings.check_layers,
@@ -235,6 +236,7 @@ def compare_many(ee_model, plain_model, batches, variants, config=None, repeats=
                 "compared_tokens": compared,
                 "by_domain": by_domain,
             },
+            "quality": _quality(record["views"], record["plain_views"]),
             "exits": _exit_summary(ee_model, record["exit_layers"]),
             "ideal_speedup": _summarise(record["ideal"]),
             "realised_over_ideal": _summarise(record["realised_over_ideal"]),
