@@ -575,6 +575,9 @@ class ExitStats:
     mean_exit_layer: mean 0-based decoder-layer index of the deciding layer; histogram: {layer index: token count};
     compute_saved: share of decoder-layer forward passes skipped, relative to running every token at full depth
     (backfill and head checks are not counted here; the benchmark measures them).
+    Self-speculative decoding (`assistant_early_exit`) decides every token at full depth; draft_tokens /
+    accepted_tokens / verify_rounds then sum its drafts, the drafts the full model kept, and the rows' verification
+    rounds (None otherwise).
     """
 
     num_tokens: int
@@ -582,6 +585,19 @@ class ExitStats:
     mean_exit_layer: float
     histogram: dict
     compute_saved: float
+    draft_tokens: int | None = None
+    accepted_tokens: int | None = None
+    verify_rounds: int | None = None
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Share of the drafts the full model accepted."""
+        return None if self.draft_tokens is None else self.accepted_tokens / max(self.draft_tokens, 1)
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Accepted drafts per verification round (a round gives one more token: the full model's own)."""
+        return None if self.verify_rounds is None else self.accepted_tokens / max(self.verify_rounds, 1)
 
     @classmethod
     def from_exit_layers(cls, exit_layers: torch.Tensor, num_layers: int) -> "ExitStats":
@@ -603,12 +619,20 @@ class ExitStats:
         """From a `generate(..., return_dict_in_generate=True)` output of an early-exit model."""
         if getattr(output, "exit_layers", None) is None:
             raise ValueError("`output` has no `exit_layers`: call generate with `return_dict_in_generate=True`.")
-        return cls.from_exit_layers(output.exit_layers, model.config.num_hidden_layers)
+        stats = cls.from_exit_layers(output.exit_layers, model.config.num_hidden_layers)
+        if getattr(output, "draft_tokens", None) is not None:
+            stats.draft_tokens, stats.accepted_tokens, stats.verify_rounds = (
+                int(getattr(output, name).sum()) for name in ("draft_tokens", "accepted_tokens", "verify_rounds"))
+        return stats
 
     def __str__(self):
         hist = ", ".join(f"{layer}: {count}" for layer, count in sorted(self.histogram.items()))
-        return (f"{self.num_tokens} tokens, mean exit layer {self.mean_exit_layer:.2f} of {self.num_layers - 1}, "
+        text = (f"{self.num_tokens} tokens, mean exit layer {self.mean_exit_layer:.2f} of {self.num_layers - 1}, "
                 f"{100 * self.compute_saved:.1f}% of layer compute skipped; histogram {{{hist}}}")
+        if self.draft_tokens is not None:
+            text += (f"; speculative: {100 * self.acceptance_rate:.1f}% of {self.draft_tokens} drafts accepted, "
+                     f"{self.mean_accepted_length:.2f} per round")
+        return text
 
 
 __all__ = [

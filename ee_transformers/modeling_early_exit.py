@@ -49,6 +49,7 @@ from .generation_early_exit import (
     merged_exit_values,
     resolve_exit_settings,
 )
+from .speculative_early_exit import speculation_requested, speculative_generate
 
 
 logger = logging.get_logger(__name__)
@@ -265,7 +266,15 @@ class EarlyExitMixin(ExitHeadsMixin):
         `exit_check_layers`; `early_exit=False` forces full depth. With exits on, the decoding loop is
         `early_exit_generate`, passed to transformers as `custom_generate`. With `return_dict_in_generate=True` the
         output also has `exit_layers` `(batch, new_tokens)`.
+
+        Lossless self-speculative decoding: `assistant_early_exit=e + 1` (transformers' argument: the number of layers
+        that draft) drafts with the exit head after layer `e` and verifies with the layers above it, at any batch size
+        (`speculative_early_exit.py`); `num_assistant_tokens`, `num_assistant_tokens_schedule` and
+        `assistant_confidence_threshold` as in transformers.
         """
+        if speculation_requested(self, generation_config, kwargs):
+            return super().generate(inputs, generation_config=generation_config, custom_generate=speculative_generate,
+                                    spec_streamer=kwargs.pop("streamer", None), **kwargs)
         settings = resolve_exit_settings(self.config, merged_exit_values(self, generation_config, kwargs))
         if settings is None:
             eos = kwargs.get("eos_token_id", getattr(generation_config or self.generation_config, "eos_token_id", None))
@@ -287,7 +296,7 @@ class EarlyExitMixin(ExitHeadsMixin):
         if (given("num_beams") or 1) > 1:
             raise ValueError(f"Early-exit decoding does not support beam search (`num_beams={given('num_beams')}`); "
                              "pass `early_exit=False` or `num_beams=1`.")
-        for name in ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit", "custom_generate"):
+        for name in ("assistant_model", "prompt_lookup_num_tokens", "custom_generate"):
             if given(name) is not None:
                 raise ValueError(f"Early-exit decoding cannot be combined with `{name}`; pass `early_exit=False`.")
         for name in ("output_hidden_states", "output_attentions"):
