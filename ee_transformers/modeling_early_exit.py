@@ -41,7 +41,9 @@ from .exit_heads import ConfidenceHead, ExitHead
 from .families import FamilyAdapter, MistralAdapter, Qwen2Adapter, Qwen3Adapter
 from .generation_early_exit import (
     EXIT_ARGUMENTS,
+    EXIT_CRITERIA,
     EXIT_FIELDS,
+    ExitSettings,
     GenerateEarlyExitOutput,
     check_exit_argument,
     early_exit_generate,
@@ -49,6 +51,7 @@ from .generation_early_exit import (
     merged_exit_values,
     resolve_exit_settings,
 )
+from .lean_early_exit import is_lean, set_exit_max_layer, shed_layers
 from .speculative_early_exit import speculation_requested, speculative_generate
 
 
@@ -119,11 +122,22 @@ class EarlyExitMixin(ExitHeadsMixin):
 
     base_model_class = None  # the family's early-exit decoder for AutoModel (set per family below)
 
-    def __init__(self, config):
+    def __init__(self, config, exit_max_layer: int | None = None):
+        """`exit_max_layer` (an exit layer, or the last layer): build only decoder layers 0..exit_max_layer (the rest
+        are `ShedLayer` placeholders, see lean_early_exit.py); `from_pretrained(..., exit_max_layer=E)` passes it
+        here, before any weight is read."""
         config.validate_early_exit()
         super().__init__(config)
         self._add_exit_heads(config)
         self.tokenizer = None  # set when loaded with the model; saved with it
+        self.exit_max_layer = config.num_hidden_layers - 1  # the deepest resident decoder layer
+        if exit_max_layer is not None:
+            shed_layers(self, exit_max_layer)
+
+    def set_exit_max_layer(self, exit_max_layer: int):
+        """Keeps exactly decoder layers 0..`exit_max_layer` resident (an exit layer, or the last layer): deeper ones
+        are shed (their memory freed), missing ones are read from the checkpoint folder. Between generate calls."""
+        return set_exit_max_layer(self, exit_max_layer)
 
     def add_confidence_heads(self) -> nn.ModuleList:
         """Adds untrained learned-confidence heads (one per exit) and records them in the config."""
@@ -194,6 +208,10 @@ class EarlyExitMixin(ExitHeadsMixin):
         """Saves weights, config (with `auto_map` for AutoModelForCausalLM and AutoModel), generation config (with
         the exit settings) and this runtime code; also the tokenizer loaded with the model, and a model card when
         `ee_transformers` is installed (it registers `model_card_writer`)."""
+        if is_lean(self):
+            raise ValueError(f"This model holds decoder layers 0..{self.exit_max_layer} only (`exit_max_layer`); "
+                             "saving it would write a checkpoint without the others. Load every layer first: "
+                             f"`model.set_exit_max_layer({self.config.num_hidden_layers - 1})`.")
         if self.base_model_class is not None:  # AutoModel -> the family's early-exit decoder
             auto_map = dict(getattr(self.config, "auto_map", None) or {})
             auto_map["AutoModel"] = f"{type(self).__module__.split('.')[-1]}.{self.base_model_class.__name__}"
@@ -276,6 +294,8 @@ class EarlyExitMixin(ExitHeadsMixin):
             return super().generate(inputs, generation_config=generation_config, custom_generate=speculative_generate,
                                     spec_streamer=kwargs.pop("streamer", None), **kwargs)
         settings = resolve_exit_settings(self.config, merged_exit_values(self, generation_config, kwargs))
+        if settings is None and is_lean(self):  # lean, no exit settings: every token exits at exit_max_layer
+            settings = ExitSettings(criterion=EXIT_CRITERIA["max_prob"], thresholds={})
         if settings is None:
             eos = kwargs.get("eos_token_id", getattr(generation_config or self.generation_config, "eos_token_id", None))
             out = super().generate(inputs, generation_config=generation_config, **kwargs)
