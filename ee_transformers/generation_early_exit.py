@@ -402,19 +402,22 @@ def prefill(model, h, attention_mask, position_ids, cache, settings, state):
     keep_exit_states(model, settings, cache, h, inputs.position_ids)  # lean, guard on: for a later deepening
     rows = torch.arange(h.shape[0], device=h.device)  # undecided rows
     decided = Decided(h.shape[0])
+    left = (None, None)  # lean: what the check at the deepest loaded exit computed for the rows it left undecided
     for j in settings.check_layers:
         if j >= depth:  # lean: not loaded
             break
         h_out, h_in = (t.index_select(0, rows) for t in at_exit[j])
         confident, logits, head_out = check_exit(model, settings, j, h_out, h_in, rows, state)
-        idx = confident.nonzero().squeeze(1)
+        idx, keep = confident.nonzero().squeeze(1), (~confident).nonzero().squeeze(1)
+        if j == depth - 1:
+            left = tuple(None if t is None else t.index_select(0, keep) for t in (logits, head_out))
         if idx.numel():
             decide(model, decided, j, h_out, idx, rows, logits, head_out)
-            rows = rows.index_select(0, (~confident).nonzero().squeeze(1))
+            rows = rows.index_select(0, keep)
             if rows.numel() == 0:
                 return decided.finish(model)
     last = h[:, -1].index_select(0, rows)
-    decide(model, decided, depth - 1, last, torch.arange(rows.numel(), device=h.device), rows,
+    decide(model, decided, depth - 1, last, torch.arange(rows.numel(), device=h.device), rows, *left,
            greedy=depth < num_layers)
     return decided.finish(model)
 
@@ -436,6 +439,7 @@ def decode_one_token(model, h, attention_mask, mask_2d, position_ids, cache, set
     exited_rows, exited_states = [], []  # row policy: rows that stopped so far, their exit states (n, 1, D)
     decided = Decided(batch)
     layer_cache = cache  # what the layers see: the cache, or a view of it for the running rows
+    left = (None, None)  # lean: what the check at the deepest loaded exit computed for the rows it left undecided
 
     for j in range(depth):
         if deferred and (entry := cache.pop_pending(j)) is not None:
@@ -451,6 +455,7 @@ def decode_one_token(model, h, attention_mask, mask_2d, position_ids, cache, set
         confident, logits, head_out = check_exit(model, settings, j, h[:, -1], h_in[:, -1], rows, state)
         idx = confident.nonzero().squeeze(1)  # the one host sync of this check
         if idx.numel() == 0:
+            left = (logits, head_out) if j == depth - 1 else left
             continue
         decide(model, decided, j, h[:, -1], idx, rows, logits, head_out)
         if idx.numel() == rows.numel():  # every running row has exited at j
@@ -465,6 +470,8 @@ def decode_one_token(model, h, attention_mask, mask_2d, position_ids, cache, set
             return decided.finish(model)
         # some rows exit: the rest go on as a smaller batch, through a view of the cache that backfills the others
         keep = (~confident).nonzero().squeeze(1)
+        if j == depth - 1:
+            left = tuple(None if t is None else t.index_select(0, keep) for t in (logits, head_out))
         exited_rows.append(rows.index_select(0, idx))
         exited_states.append(h.index_select(0, idx))
         rows, h = rows.index_select(0, keep), h.index_select(0, keep)
@@ -472,7 +479,7 @@ def decode_one_token(model, h, attention_mask, mask_2d, position_ids, cache, set
         done_inputs, inputs = step_inputs.select(done_rows, batch), step_inputs.select(rows, batch)
         layer_cache = RowSubsetCache(cache, rows, _filler(model, batch, done_rows, done_states, done_inputs))
 
-    decide(model, decided, depth - 1, h[:, -1], torch.arange(rows.numel(), device=h.device), rows,
+    decide(model, decided, depth - 1, h[:, -1], torch.arange(rows.numel(), device=h.device), rows, *left,
            greedy=depth < num_layers)
     if keeps_exit_states(model, settings):  # lean, guard on: the states leaving the deepest layer, in batch order
         if exited_rows:

@@ -15,12 +15,12 @@ import transformers.modeling_utils
 import ee_transformers as eet
 from ee_transformers.generation_early_exit import EXIT_CRITERIA, ExitCriterion
 from ee_transformers.lean_early_exit import ShedLayer, kv_bytes_per_token, memory_report, resident_parameter_bytes
-from ee_transformers.tools.bench import ForcedExits
 from conftest import padded_batch
 from conftest import cut_at_exit
 from test_generate import scripted_heads
 
 EXITS = [0, 1, 2]  # tiny models: 4 decoder layers, the last (3) is the final exit
+NEVER = dict(exit_criterion="max_prob", exit_threshold=1.0)  # never confident: every token runs to the deepest layer
 
 
 def perturb_heads(model, seed=7):
@@ -56,6 +56,22 @@ class ForcedAt(ExitCriterion):
     def score(self, check):
         score = self.inner.score(check)
         return score if check.layer != self.layer else torch.full_like(score, self.score_range[1])
+
+
+class ForcedExits(ExitCriterion):
+    """Ignores confidence: `targets(batch_size, device)` gives each row's exit layer once per step `(batch,)`; a row
+    exits at the first checked exit at or above its target."""
+
+    name, default_threshold = "forced", 1.0
+
+    def __init__(self, targets):
+        self.targets = targets
+
+    def begin_step(self, batch_size, device):
+        return self.targets(batch_size, device)
+
+    def score(self, check):
+        return (check.step.index_select(0, check.rows) <= check.layer).float()
 
 
 class RecordingSlices:
@@ -161,6 +177,18 @@ def test_greedy_exits_are_the_tokens_that_reached_the_max_layer_undecided(base_d
     assert running.num_tokens == 3 and running.greedy_exits == 2
 
 
+@pytest.mark.parametrize("policy", ["batch", "row"])
+def test_a_greedy_exit_reuses_the_check_at_the_max_layer(base_dirs, policy):
+    full, lean = full_and_lean(base_dirs, "llama", exit_max_layer=1)
+    calls = []
+    lean.lm_head.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
+    ids, mask = padded_batch(batch=3)
+    out = lean.generate(ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False, **NEVER,
+                        exit_policy=policy, return_dict_in_generate=True)
+    assert out.greedy_exits.all()
+    assert calls == [3, 3] * 4  # the checks at exits 0 and 1, for every row, each step; no third head call
+
+
 # --- deep layers are never materialised --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("cache_implementation", [None, "static"])
@@ -251,9 +279,6 @@ def test_a_saved_folder_loads_lean_without_the_package(base_dirs, tmp_path):
 
 
 # --- deepening ---------------------------------------------------------------------------------------------------
-
-NEVER = dict(exit_criterion="max_prob", exit_threshold=1.0)  # never confident: every token runs to the deepest layer
-
 
 @pytest.mark.parametrize("cache_implementation", [None, "static"])
 @pytest.mark.parametrize("policy, kv", [("batch", "immediate"), ("batch", "deferred"), ("row", "immediate")])
@@ -370,3 +395,107 @@ def test_bad_guard_settings(base_dirs, monkeypatch, kwargs, match):
             eet.from_base(folder, exit_layers=EXITS, exit_max_layer=1, exit_criterion="max_prob", exit_threshold=0.5,
                           **kwargs)
         assert recorder.read == []
+
+
+# --- the exit profile ----------------------------------------------------------------------------------------------
+
+def _texts(lengths, seed=3):
+    generator = torch.Generator().manual_seed(seed)
+    return [" ".join(f"w{int(i)}" for i in torch.randint(2, 98, (n,), generator=generator)) for n in lengths]
+
+
+def test_profile_decides_each_position_as_decoding_would(base_dirs):
+    from ee_transformers.tools.profile import decide_positions
+    from ee_transformers.generation_early_exit import merged_exit_values, resolve_exit_settings
+    import dataclasses
+
+    full = perturb_heads(eet.from_base(base_dirs["llama"][0], exit_layers=EXITS))
+    ids = torch.tensor([[5, 17, 42, 8, 91, 33, 60, 2, 71, 12]])
+    with torch.no_grad():
+        confidence = full(ids, output_exit_logits=True).exit_logits[1][0].softmax(-1).max(-1).values
+    settings = dict(exit_criterion="max_prob", exit_threshold=float(confidence.median()), exit_patience=2)
+    resolved = dataclasses.replace(resolve_exit_settings(full.config, merged_exit_values(full, None, dict(settings))),
+                                   policy="row")
+    with torch.no_grad():
+        hidden = [h[0] for h in full(ids, output_hidden_states=True).hidden_states]
+    profiled = decide_positions(full, resolved, hidden, chunk=4)
+    decoded = [int(full.generate(ids[:, : k + 1], max_new_tokens=1, do_sample=False, exit_policy="row",
+                                 return_dict_in_generate=True, **settings).exit_layers[0, 0]) for k in range(10)]
+    assert profiled.tolist() == decoded
+    assert len(set(decoded)) > 1, f"expected a mix of deciding layers, got {decoded}"
+
+
+def test_profile_histogram_sums_to_the_decided_tokens_and_writes_next_to_the_model(base_dirs, tmp_path, capsys):
+    from ee_transformers.tools.profile import ExitProfile, main, profile_exits
+    from test_model import _tiny_tokenizer
+
+    model = perturb_heads(eet.from_base(base_dirs["llama"][0], exit_layers=EXITS))
+    model.tokenizer = _tiny_tokenizer()
+    model.set_exit_defaults(exit_criterion="max_prob", exit_threshold=0.0138)  # about the median confidence
+    folder = tmp_path / "ee"
+    model.save_pretrained(folder)
+    model = eet.from_base(folder)
+    texts = _texts([30, 7, 1, 12])  # windows of 8: 4 + 1 + 0 (too short) + 2 -> 30 + 7 + 12 tokens
+    profile = profile_exits(model, model.tokenizer, texts, batch_size=3, window=8, progress=False)
+    assert profile.num_tokens == sum(profile.histogram.values()) == 30 + 7 + 12
+    assert set(profile.histogram) <= {0, 1, 2, 3} and len(profile.histogram) > 1
+    coverage = list(profile.coverage.values())
+    assert coverage == sorted(coverage) and coverage[-1] == pytest.approx(1.0)
+    assert sum(profile.rates.values()) == pytest.approx(1.0)
+    for target in (0.2, 0.5, 0.9, 1.0):
+        depth = profile.recommend(target)
+        assert profile.coverage[depth] >= target - 1e-9
+        assert all(profile.coverage[d] < target for d in profile.depths if d < depth)
+    assert profile.recommend(1.0) <= 3
+    assert ExitProfile.load(folder) == profile  # written next to the model
+    assert (folder / "exit_profile.png").stat().st_size > 0
+    with pytest.raises(ValueError, match="coverage"):
+        profile.recommend(1.5)
+    model.set_exit_max_layer(1)
+    with pytest.raises(ValueError, match="fully loaded"):
+        profile_exits(model, model.tokenizer, texts, progress=False)
+
+    (tmp_path / "data.txt").write_text(texts[0])
+    assert main([str(folder), "--data", str(tmp_path / "data.txt"), "--window", "8", "--exit-threshold", "0.9",
+                 "--out", str(tmp_path / "cli")]) == 0
+    cli = ExitProfile.load(tmp_path / "cli")
+    assert cli.num_tokens == 30 and cli.settings["thresholds"] == {"0": 0.9, "1": 0.9, "2": 0.9}
+    assert "exit_max_layer for 95% coverage" in capsys.readouterr().out
+
+
+# --- the memory-budget benchmark's measurements --------------------------------------------------------------------
+
+def test_peak_memory_counts_live_storages_once():
+    from ee_transformers.tools.bench_lean import PeakMemory
+
+    x = torch.ones(1000)  # exists before: not counted
+    with PeakMemory() as meter:
+        a = x * 2  # 4000 bytes
+        view, old_view = a[:10], x.t()  # views: no new storage (x's is not counted either)
+        b = torch.empty(500, dtype=torch.float64)  # 4000 bytes
+        del a, view, old_view
+        c = x + 1  # a's 4000 bytes were freed: live 8000 again
+        del b, c
+    assert meter.peak == 8000 and meter.live == 0
+
+
+def test_measured_memory_and_the_largest_batch_that_fits(base_dirs):
+    from ee_transformers.tools.bench_lean import fit_batch, measure_memory, parse_bytes
+
+    assert parse_bytes("1.5G") == 3 * 2 ** 29 and parse_bytes("900M") == 900 * 2 ** 20 and parse_bytes(4096) == 4096
+    with pytest.raises(ValueError, match="memory-budget"):
+        parse_bytes("-1M")
+    full, lean = full_and_lean(base_dirs, "llama", exit_max_layer=1)
+    prompts = [list(range(3, 3 + n)) for n in (12, 9, 12)]
+    settings = dict(exit_criterion="max_prob", exit_threshold=1.0)
+    memory = {name: measure_memory(model, prompts, 20, settings) for name, model in (("full", full), ("lean", lean))}
+    per_layer = 2 * 2 * 8 * 4  # K and V, 2 KV heads of 8 dims, fp32
+    assert memory["full"]["kv_bytes_per_token"] == 4 * per_layer and memory["lean"]["kv_bytes_per_token"] == 2 * per_layer
+    assert memory["full"]["weights"] - memory["lean"]["weights"] == layer_bytes(full, 2) + layer_bytes(full, 3)
+    for m in memory.values():  # each row's K/V for 12 + 20 - 1 positions is part of what a row costs
+        assert m["per_row"] >= m["kv_bytes_per_token"] * 31 and m["peak"][2] > m["peak"][1]
+    assert memory["lean"]["per_row"] < memory["full"]["per_row"]
+    budget = int(memory["full"]["weights"] + memory["full"]["fixed"] + 10.5 * memory["full"]["per_row"])
+    assert fit_batch(memory["full"], budget) == 10
+    assert fit_batch(memory["lean"], budget) > 10
+    assert fit_batch(memory["full"], memory["full"]["weights"]) == 0
