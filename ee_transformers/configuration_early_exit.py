@@ -8,7 +8,12 @@ This file is part of the Hub runtime: it imports only torch, transformers and it
 
 from dataclasses import dataclass
 
-from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 
 EXIT_HEAD_TYPES = ("norm", "adapter")

@@ -462,9 +462,10 @@ def _filler(model, batch, done_rows, done_states, done_inputs):
 def early_exit_step(model, input_ids, attention_mask, position_ids, cache, settings, unfinished=None, mask_2d=None):
     """One forward of early-exit decoding: `input_ids` `(B, q)` -> logits `(B, V)` of each row's deciding head and
     its exit layers `(B,)`. The prefill (q > 1 or an empty cache) runs full depth; a decoding step stops early."""
+    if position_ids is None:  # before embedding: absolute-position families (GPT-2) embed them
+        past = cache.get_seq_length()
+        position_ids = (torch.arange(input_ids.shape[1], device=input_ids.device) + past).unsqueeze(0)
     h = model.family.embed(model, input_ids, position_ids)  # (B, q, D)
-    if position_ids is None:
-        position_ids = (torch.arange(h.shape[1], device=h.device) + cache.get_seq_length()).unsqueeze(0)
     state = StepState(settings, h.shape[0], h.device, unfinished)
     if h.shape[1] > 1 or cache.get_seq_length() == 0:
         return prefill(model, h, attention_mask, position_ids, cache, settings, state)

@@ -38,7 +38,12 @@ from .configuration_early_exit import (
     EarlyExitQwen3Config,
 )
 from .exit_heads import ConfidenceHead, ExitHead
-from .families import FamilyAdapter, MistralAdapter, Qwen2Adapter, Qwen3Adapter
+from .families import (
+    FamilyAdapter,
+    MistralAdapter,
+    Qwen2Adapter,
+    Qwen3Adapter,
+)
 from .generation_early_exit import (
     EXIT_ARGUMENTS,
     EXIT_FIELDS,
@@ -89,7 +94,10 @@ class ExitHeadsMixin:
         # anything already initialised, so this is decided per leaf module
         how = getattr(module, "_ee_init", None)
         if how == "final_norm":  # an exit norm starts as the final norm: exactly "apply the final norm early"
-            init.copy_(module.weight, self.family.final_norm(self).weight)
+            final_norm = self.family.final_norm(self)
+            init.copy_(module.weight, final_norm.weight)
+            if getattr(module, "bias", None) is not None:  # LayerNorm (GPT-2)
+                init.copy_(module.bias, final_norm.bias)
         elif how == "zeros":  # adapter up-projections and confidence heads start silent
             init.zeros_(module.weight)
             if getattr(module, "bias", None) is not None:
@@ -341,19 +349,12 @@ class EarlyExitDecoderMixin(ExitHeadsMixin):
                                     attentions=out.attentions, exit_hidden_states=exit_states)
 
 
-class _DecoderAdapter(FamilyAdapter):
-    """Adapter view for a bare decoder: the decoder is the model itself."""
-
-    def decoder(self, model):
-        return model
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # the families
 # ---------------------------------------------------------------------------------------------------------------------
 class EarlyExitLlamaModel(EarlyExitDecoderMixin, LlamaModel):
     config_class = EarlyExitLlamaConfig
-    family = _DecoderAdapter()
+    family = FamilyAdapter(bare=True)
 
 
 class EarlyExitLlamaForCausalLM(EarlyExitMixin, LlamaForCausalLM):
@@ -365,7 +366,7 @@ class EarlyExitLlamaForCausalLM(EarlyExitMixin, LlamaForCausalLM):
 
 class EarlyExitMistralModel(EarlyExitDecoderMixin, MistralModel):
     config_class = EarlyExitMistralConfig
-    family = _DecoderAdapter()
+    family = MistralAdapter(bare=True)
 
 
 class EarlyExitMistralForCausalLM(EarlyExitMixin, MistralForCausalLM):
@@ -377,7 +378,7 @@ class EarlyExitMistralForCausalLM(EarlyExitMixin, MistralForCausalLM):
 
 class EarlyExitQwen2Model(EarlyExitDecoderMixin, Qwen2Model):
     config_class = EarlyExitQwen2Config
-    family = _DecoderAdapter()
+    family = Qwen2Adapter(bare=True)
 
 
 class EarlyExitQwen2ForCausalLM(EarlyExitMixin, Qwen2ForCausalLM):
@@ -389,7 +390,7 @@ class EarlyExitQwen2ForCausalLM(EarlyExitMixin, Qwen2ForCausalLM):
 
 class EarlyExitQwen3Model(EarlyExitDecoderMixin, Qwen3Model):
     config_class = EarlyExitQwen3Config
-    family = _DecoderAdapter()
+    family = Qwen3Adapter(bare=True)
 
 
 class EarlyExitQwen3ForCausalLM(EarlyExitMixin, Qwen3ForCausalLM):
