@@ -9,6 +9,7 @@ This file is part of the Hub runtime: it imports only torch, transformers and it
 from dataclasses import dataclass
 
 from transformers import (
+    Gemma2Config,
     LlamaConfig,
     MistralConfig,
     Qwen2Config,
@@ -102,8 +103,13 @@ class EarlyExitQwen3Config(EarlyExitConfigMixin, Qwen3Config):
     model_type = "early_exit_qwen3"
 
 
+class EarlyExitGemma2Config(EarlyExitConfigMixin, Gemma2Config):
+    model_type = "early_exit_gemma2"
+
+
 __all__ = [
     "EarlyExitConfigMixin",
+    "EarlyExitGemma2Config",
     "EarlyExitLlamaConfig",
     "EarlyExitMistralConfig",
     "EarlyExitQwen2Config",

@@ -24,6 +24,7 @@ difference: `attention_input` (the norm before attention), `project_key_value` (
 | Mistral (`mistral`) | `MistralAdapter` | `layer_type`: every layer slides when `sliding_window` is set |
 | Qwen2 (`qwen2`) | `Qwen2Adapter` | `layer_type` from `config.layer_types` (full / sliding) |
 | Qwen3 (`qwen3`) | `Qwen3Adapter` | Qwen2 + `project_key`: per-head `k_norm` |
+| Gemma 2 (`gemma2`) | `Gemma2Adapter` | Qwen2's layer types + `head_logits`: the final logit soft-cap |
 
 What a family does inside its layers (Gemma's post-norms and attention soft-cap, OLMo 2's norms after attention)
 needs no adapter code: the core calls the layer itself. Every projection is a module call, so LoRA and quantized
@@ -204,8 +205,24 @@ class Qwen3Adapter(Qwen2Adapter):
         return attn.k_norm(attn.k_proj(x).view(hidden_shape))
 
 
+class Gemma2Adapter(Qwen2Adapter):
+    """Alternating sliding / global layers (`config.layer_types`), the embeddings scaled by sqrt(hidden) (inside
+    `embed_tokens`), norms before and after attention and MLP (inside the layer; the keys see `input_layernorm`), and
+    the final logit soft-cap `cap * tanh(logits / cap)`, which every exit applies as the final head does."""
+
+    name = "gemma2"
+
+    def head_logits(self, model, head_input):
+        logits = model.lm_head(head_input)
+        cap = model.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+
 __all__ = [
     "FamilyAdapter",
+    "Gemma2Adapter",
     "LayerInputs",
     "MistralAdapter",
     "Qwen2Adapter",

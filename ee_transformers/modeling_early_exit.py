@@ -15,6 +15,8 @@ import torch
 from torch import nn
 from transformers import (
     AutoTokenizer,
+    Gemma2ForCausalLM,
+    Gemma2Model,
     GenerationConfig,
     LlamaForCausalLM,
     LlamaModel,
@@ -32,6 +34,7 @@ from transformers.utils import logging
 from transformers.utils.deprecation import deprecate_kwarg
 
 from .configuration_early_exit import (
+    EarlyExitGemma2Config,
     EarlyExitLlamaConfig,
     EarlyExitMistralConfig,
     EarlyExitQwen2Config,
@@ -40,6 +43,7 @@ from .configuration_early_exit import (
 from .exit_heads import ConfidenceHead, ExitHead
 from .families import (
     FamilyAdapter,
+    Gemma2Adapter,
     MistralAdapter,
     Qwen2Adapter,
     Qwen3Adapter,
@@ -400,6 +404,18 @@ class EarlyExitQwen3ForCausalLM(EarlyExitMixin, Qwen3ForCausalLM):
     base_model_class = EarlyExitQwen3Model
 
 
+class EarlyExitGemma2Model(EarlyExitDecoderMixin, Gemma2Model):
+    config_class = EarlyExitGemma2Config
+    family = Gemma2Adapter(bare=True)
+
+
+class EarlyExitGemma2ForCausalLM(EarlyExitMixin, Gemma2ForCausalLM):
+    config_class = EarlyExitGemma2Config
+    config: EarlyExitGemma2Config
+    family = Gemma2Adapter()
+    base_model_class = EarlyExitGemma2Model
+
+
 # The family table: plain `model_type` -> early-exit causal LM. Adding a family: its adapter (families.py), its config
 # (configuration_early_exit.py), its two classes above, and one line here.
 FAMILIES = {
@@ -407,6 +423,7 @@ FAMILIES = {
     "mistral": EarlyExitMistralForCausalLM,
     "qwen2": EarlyExitQwen2ForCausalLM,
     "qwen3": EarlyExitQwen3ForCausalLM,
+    "gemma2": EarlyExitGemma2ForCausalLM,
 }
 
 for _model_class in FAMILIES.values():
@@ -428,4 +445,6 @@ __all__ = [
     "EarlyExitQwen2Model",
     "EarlyExitQwen3ForCausalLM",
     "EarlyExitQwen3Model",
+    "EarlyExitGemma2ForCausalLM",
+    "EarlyExitGemma2Model",
 ]

@@ -9,6 +9,8 @@ from typing import NamedTuple
 import pytest
 import torch
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -29,6 +31,7 @@ TINY = dict(vocab_size=99, hidden_size=32, intermediate_size=64, num_hidden_laye
 # layers both mask (prefill) and evict (dynamic and static caches keep only the last window) during every test.
 SLIDING_WINDOW = 4
 MIXED_LAYERS = ["full_attention", "sliding_attention", "full_attention", "sliding_attention"]
+GEMMA_LAYERS = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]  # local first, as Gemma
 
 
 class FamilySpec(NamedTuple):
@@ -46,6 +49,11 @@ FAMILIES = {
                                                                 "sliding_window": SLIDING_WINDOW,
                                                                 "layer_types": MIXED_LAYERS}),
     "qwen3": FamilySpec(Qwen3Config, Qwen3ForCausalLM, {"head_dim": 8}),
+    # Gemma: local/global alternation with a window that bites, local and global rotary bases, final soft-cap (the
+    # Gemma 3 release has none; the test model sets one so the exits' soft-cap is checked on both)
+    "gemma2": FamilySpec(Gemma2Config, Gemma2ForCausalLM, {
+        "head_dim": 8, "query_pre_attn_scalar": 8, "sliding_window": SLIDING_WINDOW, "layer_types": GEMMA_LAYERS,
+        "final_logit_softcapping": 0.2, "attn_logit_softcapping": 0.5}),
 }
 
 

@@ -21,6 +21,7 @@ EXPECTED = {
     "mistral": ("EarlyExitMistralForCausalLM", "early_exit_mistral"),
     "qwen2": ("EarlyExitQwen2ForCausalLM", "early_exit_qwen2"),
     "qwen3": ("EarlyExitQwen3ForCausalLM", "early_exit_qwen3"),
+    "gemma2": ("EarlyExitGemma2ForCausalLM", "early_exit_gemma2"),
 }
 
 
