@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from transformers import (
     Gemma2Config,
+    Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
     Qwen2Config,
@@ -103,6 +104,18 @@ class EarlyExitQwen3Config(EarlyExitConfigMixin, Qwen3Config):
     model_type = "early_exit_qwen3"
 
 
+class EarlyExitGemma3Config(EarlyExitConfigMixin, Gemma3TextConfig):
+    """Gemma 3 text (`Gemma3ForCausalLM`, plain `model_type` "gemma3_text")."""
+
+    model_type = "early_exit_gemma3"
+
+    def validate_early_exit(self):
+        super().validate_early_exit()
+        if self.use_bidirectional_attention:
+            raise ValueError("`use_bidirectional_attention=True` (an embedding model, not a causal LM) is not "
+                             "supported by early exit: allowed value is False.")
+
+
 class EarlyExitGemma2Config(EarlyExitConfigMixin, Gemma2Config):
     model_type = "early_exit_gemma2"
 
@@ -110,6 +123,7 @@ class EarlyExitGemma2Config(EarlyExitConfigMixin, Gemma2Config):
 __all__ = [
     "EarlyExitConfigMixin",
     "EarlyExitGemma2Config",
+    "EarlyExitGemma3Config",
     "EarlyExitLlamaConfig",
     "EarlyExitMistralConfig",
     "EarlyExitQwen2Config",

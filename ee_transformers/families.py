@@ -25,6 +25,7 @@ difference: `attention_input` (the norm before attention), `project_key_value` (
 | Qwen2 (`qwen2`) | `Qwen2Adapter` | `layer_type` from `config.layer_types` (full / sliding) |
 | Qwen3 (`qwen3`) | `Qwen3Adapter` | Qwen2 + `project_key`: per-head `k_norm` |
 | Gemma 2 (`gemma2`) | `Gemma2Adapter` | Qwen2's layer types + `head_logits`: the final logit soft-cap |
+| Gemma 3 text (`gemma3_text`) | `Gemma3Adapter` | Gemma 2 + `positions`: one rotary per layer type; per-head `k_norm` |
 
 What a family does inside its layers (Gemma's post-norms and attention soft-cap, OLMo 2's norms after attention)
 needs no adapter code: the core calls the layer itself. Every projection is a module call, so LoRA and quantized
@@ -220,9 +221,23 @@ class Gemma2Adapter(Qwen2Adapter):
         return logits
 
 
+class Gemma3Adapter(Gemma2Adapter):
+    """Gemma 2 plus a rotary embedding per layer type (local and global bases) and a per-head RMS norm on the keys."""
+
+    name = "gemma3"
+
+    def positions(self, model, h, position_ids) -> dict:
+        rotary = self.decoder(model).rotary_emb
+        return {kind: rotary(h, position_ids, kind) for kind in set(model.config.layer_types)}
+
+    def project_key(self, attn, x, hidden_shape):
+        return attn.k_norm(attn.k_proj(x).view(hidden_shape))
+
+
 __all__ = [
     "FamilyAdapter",
     "Gemma2Adapter",
+    "Gemma3Adapter",
     "LayerInputs",
     "MistralAdapter",
     "Qwen2Adapter",

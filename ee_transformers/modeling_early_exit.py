@@ -17,6 +17,8 @@ from transformers import (
     AutoTokenizer,
     Gemma2ForCausalLM,
     Gemma2Model,
+    Gemma3ForCausalLM,
+    Gemma3TextModel,
     GenerationConfig,
     LlamaForCausalLM,
     LlamaModel,
@@ -35,6 +37,7 @@ from transformers.utils.deprecation import deprecate_kwarg
 
 from .configuration_early_exit import (
     EarlyExitGemma2Config,
+    EarlyExitGemma3Config,
     EarlyExitLlamaConfig,
     EarlyExitMistralConfig,
     EarlyExitQwen2Config,
@@ -44,6 +47,7 @@ from .exit_heads import ConfidenceHead, ExitHead
 from .families import (
     FamilyAdapter,
     Gemma2Adapter,
+    Gemma3Adapter,
     MistralAdapter,
     Qwen2Adapter,
     Qwen3Adapter,
@@ -404,6 +408,18 @@ class EarlyExitQwen3ForCausalLM(EarlyExitMixin, Qwen3ForCausalLM):
     base_model_class = EarlyExitQwen3Model
 
 
+class EarlyExitGemma3Model(EarlyExitDecoderMixin, Gemma3TextModel):
+    config_class = EarlyExitGemma3Config
+    family = Gemma3Adapter(bare=True)
+
+
+class EarlyExitGemma3ForCausalLM(EarlyExitMixin, Gemma3ForCausalLM):
+    config_class = EarlyExitGemma3Config
+    config: EarlyExitGemma3Config
+    family = Gemma3Adapter()
+    base_model_class = EarlyExitGemma3Model
+
+
 class EarlyExitGemma2Model(EarlyExitDecoderMixin, Gemma2Model):
     config_class = EarlyExitGemma2Config
     family = Gemma2Adapter(bare=True)
@@ -423,6 +439,7 @@ FAMILIES = {
     "mistral": EarlyExitMistralForCausalLM,
     "qwen2": EarlyExitQwen2ForCausalLM,
     "qwen3": EarlyExitQwen3ForCausalLM,
+    "gemma3_text": EarlyExitGemma3ForCausalLM,
     "gemma2": EarlyExitGemma2ForCausalLM,
 }
 
@@ -445,6 +462,8 @@ __all__ = [
     "EarlyExitQwen2Model",
     "EarlyExitQwen3ForCausalLM",
     "EarlyExitQwen3Model",
+    "EarlyExitGemma3ForCausalLM",
+    "EarlyExitGemma3Model",
     "EarlyExitGemma2ForCausalLM",
     "EarlyExitGemma2Model",
 ]

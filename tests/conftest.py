@@ -11,6 +11,8 @@ import torch
 from transformers import (
     Gemma2Config,
     Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -51,6 +53,9 @@ FAMILIES = {
     "qwen3": FamilySpec(Qwen3Config, Qwen3ForCausalLM, {"head_dim": 8}),
     # Gemma: local/global alternation with a window that bites, local and global rotary bases, final soft-cap (the
     # Gemma 3 release has none; the test model sets one so the exits' soft-cap is checked on both)
+    "gemma3": FamilySpec(Gemma3TextConfig, Gemma3ForCausalLM, {
+        "head_dim": 8, "query_pre_attn_scalar": 8, "sliding_window": SLIDING_WINDOW, "layer_types": GEMMA_LAYERS,
+        "final_logit_softcapping": 0.2}),
     "gemma2": FamilySpec(Gemma2Config, Gemma2ForCausalLM, {
         "head_dim": 8, "query_pre_attn_scalar": 8, "sliding_window": SLIDING_WINDOW, "layer_types": GEMMA_LAYERS,
         "final_logit_softcapping": 0.2, "attn_logit_softcapping": 0.5}),
