@@ -13,6 +13,7 @@ from transformers import (
     Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
+    Phi3Config,
     Qwen2Config,
     Qwen3Config,
 )
@@ -120,12 +121,17 @@ class EarlyExitGemma2Config(EarlyExitConfigMixin, Gemma2Config):
     model_type = "early_exit_gemma2"
 
 
+class EarlyExitPhi3Config(EarlyExitConfigMixin, Phi3Config):
+    model_type = "early_exit_phi3"
+
+
 __all__ = [
     "EarlyExitConfigMixin",
     "EarlyExitGemma2Config",
     "EarlyExitGemma3Config",
     "EarlyExitLlamaConfig",
     "EarlyExitMistralConfig",
+    "EarlyExitPhi3Config",
     "EarlyExitQwen2Config",
     "EarlyExitQwen3Config",
 ]

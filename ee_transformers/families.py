@@ -26,6 +26,7 @@ difference: `attention_input` (the norm before attention), `project_key_value` (
 | Qwen3 (`qwen3`) | `Qwen3Adapter` | Qwen2 + `project_key`: per-head `k_norm` |
 | Gemma 2 (`gemma2`) | `Gemma2Adapter` | Qwen2's layer types + `head_logits`: the final logit soft-cap |
 | Gemma 3 text (`gemma3_text`) | `Gemma3Adapter` | Gemma 2 + `positions`: one rotary per layer type; per-head `k_norm` |
+| Phi-3 (`phi3`) | `Phi3Adapter` | Mistral's layer type + fused `qkv_proj` sliced after the call; partial rotary |
 
 What a family does inside its layers (Gemma's post-norms and attention soft-cap, OLMo 2's norms after attention)
 needs no adapter code: the core calls the layer itself. Every projection is a module call, so LoRA and quantized
@@ -234,12 +235,33 @@ class Gemma3Adapter(Gemma2Adapter):
         return attn.k_norm(attn.k_proj(x).view(hidden_shape))
 
 
+class Phi3Adapter(MistralAdapter):
+    """One fused `qkv_proj` (its K/V part is sliced from the module's output, so LoRA / quantized layers still see a
+    module call) and partial rotary (`partial_rotary_factor`: only the first `rotary_dim` channels rotate)."""
+
+    name = "phi3"
+
+    def project_key_value(self, layer, x):
+        attn = layer.self_attn
+        hidden_shape = (*x.shape[:-1], -1, attn.head_dim)
+        q_size, kv_size = attn.config.num_attention_heads * attn.head_dim, attn.num_key_value_heads * attn.head_dim
+        qkv = attn.qkv_proj(x)
+        key, value = qkv[..., q_size : q_size + kv_size], qkv[..., q_size + kv_size :]
+        return key.view(hidden_shape), value.view(hidden_shape)
+
+    def rotate_key(self, key, cos, sin):
+        rotary_dim = cos.shape[-1]
+        rotated, kept = key[..., :rotary_dim], key[..., rotary_dim:]
+        return torch.cat([super().rotate_key(rotated, cos, sin), kept], dim=-1)
+
+
 __all__ = [
     "FamilyAdapter",
     "Gemma2Adapter",
     "Gemma3Adapter",
     "LayerInputs",
     "MistralAdapter",
+    "Phi3Adapter",
     "Qwen2Adapter",
     "Qwen3Adapter",
     "select_rows",

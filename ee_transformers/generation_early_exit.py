@@ -505,6 +505,8 @@ def _step_inputs(model, input_ids, model_kwargs, first):
                                                      **model_kwargs)
     else:
         inputs = model.prepare_inputs_for_generation(input_ids, next_sequence_length=1, **model_kwargs)
+        if inputs.get("cache") is None:  # the family restarts from the whole sequence (Phi-3 past its original
+            model_kwargs["cache"].reset()  # max positions, where its rotary changes): a full-depth prefill again
     return inputs["input_ids"], inputs.get("attention_mask"), inputs.get("position_ids")
 
 

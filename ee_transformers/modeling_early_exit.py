@@ -24,6 +24,8 @@ from transformers import (
     LlamaModel,
     MistralForCausalLM,
     MistralModel,
+    Phi3ForCausalLM,
+    Phi3Model,
     Qwen2ForCausalLM,
     Qwen2Model,
     Qwen3ForCausalLM,
@@ -40,6 +42,7 @@ from .configuration_early_exit import (
     EarlyExitGemma3Config,
     EarlyExitLlamaConfig,
     EarlyExitMistralConfig,
+    EarlyExitPhi3Config,
     EarlyExitQwen2Config,
     EarlyExitQwen3Config,
 )
@@ -49,6 +52,7 @@ from .families import (
     Gemma2Adapter,
     Gemma3Adapter,
     MistralAdapter,
+    Phi3Adapter,
     Qwen2Adapter,
     Qwen3Adapter,
 )
@@ -432,6 +436,18 @@ class EarlyExitGemma2ForCausalLM(EarlyExitMixin, Gemma2ForCausalLM):
     base_model_class = EarlyExitGemma2Model
 
 
+class EarlyExitPhi3Model(EarlyExitDecoderMixin, Phi3Model):
+    config_class = EarlyExitPhi3Config
+    family = Phi3Adapter(bare=True)
+
+
+class EarlyExitPhi3ForCausalLM(EarlyExitMixin, Phi3ForCausalLM):
+    config_class = EarlyExitPhi3Config
+    config: EarlyExitPhi3Config
+    family = Phi3Adapter()
+    base_model_class = EarlyExitPhi3Model
+
+
 # The family table: plain `model_type` -> early-exit causal LM. Adding a family: its adapter (families.py), its config
 # (configuration_early_exit.py), its two classes above, and one line here.
 FAMILIES = {
@@ -441,6 +457,7 @@ FAMILIES = {
     "qwen3": EarlyExitQwen3ForCausalLM,
     "gemma3_text": EarlyExitGemma3ForCausalLM,
     "gemma2": EarlyExitGemma2ForCausalLM,
+    "phi3": EarlyExitPhi3ForCausalLM,
 }
 
 for _model_class in FAMILIES.values():
@@ -466,4 +483,6 @@ __all__ = [
     "EarlyExitGemma3Model",
     "EarlyExitGemma2ForCausalLM",
     "EarlyExitGemma2Model",
+    "EarlyExitPhi3ForCausalLM",
+    "EarlyExitPhi3Model",
 ]

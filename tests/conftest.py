@@ -17,6 +17,8 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -59,6 +61,8 @@ FAMILIES = {
     "gemma2": FamilySpec(Gemma2Config, Gemma2ForCausalLM, {
         "head_dim": 8, "query_pre_attn_scalar": 8, "sliding_window": SLIDING_WINDOW, "layer_types": GEMMA_LAYERS,
         "final_logit_softcapping": 0.2, "attn_logit_softcapping": 0.5}),
+    # Phi-3 with partial rotary (as Phi-4-mini): half of each key head rotates
+    "phi3": FamilySpec(Phi3Config, Phi3ForCausalLM, {"partial_rotary_factor": 0.5}),
 }
 
 

@@ -422,3 +422,23 @@ def test_exit_arguments_on_a_model_without_exit_heads(base_dirs):
     with pytest.raises(ValueError, match="exit_threshold.*no exit heads"):
         model.generate(ids, max_new_tokens=2, exit_threshold=0.5)
     assert model.generate(ids, max_new_tokens=2).shape == (1, 4)
+
+
+@pytest.mark.parametrize("cache_implementation", [None, "static"])
+def test_phi3_cache_restart_at_original_max_positions_equals_base_cut(tmp_path, cache_implementation):
+    """Phi-3's `prepare_inputs_for_generation` drops the cache once a sequence outgrows
+    `original_max_position_embeddings` (its long rotary factors take over) and recomputes from the whole sequence;
+    early-exit decoding must restart the same way, not append the sequence to the old cache."""
+    from conftest import make_base
+
+    base = make_base("phi3", original_max_position_embeddings=9)
+    base.save_pretrained(tmp_path)
+    model = eet.from_base(tmp_path, exit_layers=[0, 1, 2]).eval()
+    ids, mask = padded_batch()  # 7 positions + 6 new: the cache restarts when the sequence reaches 10
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                  cache_implementation=cache_implementation)
+    out = model.generate(ids, exit_criterion="max_prob", exit_threshold=0.0, exit_check_layers=[1],
+                         return_dict_in_generate=True, **kwargs)
+    expected = cut_at_exit(base, model, 1).generate(ids, **kwargs)
+    assert torch.equal(out.sequences, expected)
+    assert out.cache.get_seq_length() == out.sequences.shape[1] - 1

@@ -23,6 +23,7 @@ EXPECTED = {
     "qwen3": ("EarlyExitQwen3ForCausalLM", "early_exit_qwen3"),
     "gemma3_text": ("EarlyExitGemma3ForCausalLM", "early_exit_gemma3"),
     "gemma2": ("EarlyExitGemma2ForCausalLM", "early_exit_gemma2"),
+    "phi3": ("EarlyExitPhi3ForCausalLM", "early_exit_phi3"),
 }
 
 
