@@ -13,6 +13,7 @@ from transformers import (
     Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
+    Olmo2Config,
     Phi3Config,
     Qwen2Config,
     Qwen3Config,
@@ -125,12 +126,17 @@ class EarlyExitPhi3Config(EarlyExitConfigMixin, Phi3Config):
     model_type = "early_exit_phi3"
 
 
+class EarlyExitOlmo2Config(EarlyExitConfigMixin, Olmo2Config):
+    model_type = "early_exit_olmo2"
+
+
 __all__ = [
     "EarlyExitConfigMixin",
     "EarlyExitGemma2Config",
     "EarlyExitGemma3Config",
     "EarlyExitLlamaConfig",
     "EarlyExitMistralConfig",
+    "EarlyExitOlmo2Config",
     "EarlyExitPhi3Config",
     "EarlyExitQwen2Config",
     "EarlyExitQwen3Config",

@@ -27,6 +27,7 @@ difference: `attention_input` (the norm before attention), `project_key_value` (
 | Gemma 2 (`gemma2`) | `Gemma2Adapter` | Qwen2's layer types + `head_logits`: the final logit soft-cap |
 | Gemma 3 text (`gemma3_text`) | `Gemma3Adapter` | Gemma 2 + `positions`: one rotary per layer type; per-head `k_norm` |
 | Phi-3 (`phi3`) | `Phi3Adapter` | Mistral's layer type + fused `qkv_proj` sliced after the call; partial rotary |
+| OLMo 2 (`olmo2`) | `Olmo2Adapter` | no norm before attention; `k_norm` over the whole projection |
 
 What a family does inside its layers (Gemma's post-norms and attention soft-cap, OLMo 2's norms after attention)
 needs no adapter code: the core calls the layer itself. Every projection is a module call, so LoRA and quantized
@@ -255,12 +256,26 @@ class Phi3Adapter(MistralAdapter):
         return torch.cat([super().rotate_key(rotated, cos, sin), kept], dim=-1)
 
 
+class Olmo2Adapter(FamilyAdapter):
+    """No norm before attention or MLP (they are normed after, inside the layer), and an RMS norm over the whole key
+    projection (all heads at once), before the heads are split."""
+
+    name = "olmo2"
+
+    def attention_input(self, layer, states):
+        return states
+
+    def project_key(self, attn, x, hidden_shape):
+        return attn.k_norm(attn.k_proj(x)).view(hidden_shape)
+
+
 __all__ = [
     "FamilyAdapter",
     "Gemma2Adapter",
     "Gemma3Adapter",
     "LayerInputs",
     "MistralAdapter",
+    "Olmo2Adapter",
     "Phi3Adapter",
     "Qwen2Adapter",
     "Qwen3Adapter",

@@ -24,6 +24,8 @@ from transformers import (
     LlamaModel,
     MistralForCausalLM,
     MistralModel,
+    Olmo2ForCausalLM,
+    Olmo2Model,
     Phi3ForCausalLM,
     Phi3Model,
     Qwen2ForCausalLM,
@@ -42,6 +44,7 @@ from .configuration_early_exit import (
     EarlyExitGemma3Config,
     EarlyExitLlamaConfig,
     EarlyExitMistralConfig,
+    EarlyExitOlmo2Config,
     EarlyExitPhi3Config,
     EarlyExitQwen2Config,
     EarlyExitQwen3Config,
@@ -52,6 +55,7 @@ from .families import (
     Gemma2Adapter,
     Gemma3Adapter,
     MistralAdapter,
+    Olmo2Adapter,
     Phi3Adapter,
     Qwen2Adapter,
     Qwen3Adapter,
@@ -448,6 +452,18 @@ class EarlyExitPhi3ForCausalLM(EarlyExitMixin, Phi3ForCausalLM):
     base_model_class = EarlyExitPhi3Model
 
 
+class EarlyExitOlmo2Model(EarlyExitDecoderMixin, Olmo2Model):
+    config_class = EarlyExitOlmo2Config
+    family = Olmo2Adapter(bare=True)
+
+
+class EarlyExitOlmo2ForCausalLM(EarlyExitMixin, Olmo2ForCausalLM):
+    config_class = EarlyExitOlmo2Config
+    config: EarlyExitOlmo2Config
+    family = Olmo2Adapter()
+    base_model_class = EarlyExitOlmo2Model
+
+
 # The family table: plain `model_type` -> early-exit causal LM. Adding a family: its adapter (families.py), its config
 # (configuration_early_exit.py), its two classes above, and one line here.
 FAMILIES = {
@@ -458,6 +474,7 @@ FAMILIES = {
     "gemma3_text": EarlyExitGemma3ForCausalLM,
     "gemma2": EarlyExitGemma2ForCausalLM,
     "phi3": EarlyExitPhi3ForCausalLM,
+    "olmo2": EarlyExitOlmo2ForCausalLM,
 }
 
 for _model_class in FAMILIES.values():
@@ -485,4 +502,6 @@ __all__ = [
     "EarlyExitGemma2Model",
     "EarlyExitPhi3ForCausalLM",
     "EarlyExitPhi3Model",
+    "EarlyExitOlmo2ForCausalLM",
+    "EarlyExitOlmo2Model",
 ]

@@ -17,6 +17,8 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     Qwen2Config,
@@ -63,6 +65,7 @@ FAMILIES = {
         "final_logit_softcapping": 0.2, "attn_logit_softcapping": 0.5}),
     # Phi-3 with partial rotary (as Phi-4-mini): half of each key head rotates
     "phi3": FamilySpec(Phi3Config, Phi3ForCausalLM, {"partial_rotary_factor": 0.5}),
+    "olmo2": FamilySpec(Olmo2Config, Olmo2ForCausalLM, {}),
 }
 
 

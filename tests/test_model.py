@@ -24,6 +24,7 @@ EXPECTED = {
     "gemma3_text": ("EarlyExitGemma3ForCausalLM", "early_exit_gemma3"),
     "gemma2": ("EarlyExitGemma2ForCausalLM", "early_exit_gemma2"),
     "phi3": ("EarlyExitPhi3ForCausalLM", "early_exit_phi3"),
+    "olmo2": ("EarlyExitOlmo2ForCausalLM", "early_exit_olmo2"),
 }
 
 
