@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from transformers import (
     Gemma2Config,
     Gemma3TextConfig,
+    GPT2Config,
     LlamaConfig,
     MistralConfig,
     Olmo2Config,
@@ -130,10 +131,21 @@ class EarlyExitOlmo2Config(EarlyExitConfigMixin, Olmo2Config):
     model_type = "early_exit_olmo2"
 
 
+class EarlyExitGPT2Config(EarlyExitConfigMixin, GPT2Config):
+    model_type = "early_exit_gpt2"
+
+    def validate_early_exit(self):
+        super().validate_early_exit()
+        if self.add_cross_attention:
+            raise ValueError("`add_cross_attention=True` (GPT-2 as the decoder of an encoder-decoder) is not "
+                             "supported by early exit: allowed value is False.")
+
+
 __all__ = [
     "EarlyExitConfigMixin",
     "EarlyExitGemma2Config",
     "EarlyExitGemma3Config",
+    "EarlyExitGPT2Config",
     "EarlyExitLlamaConfig",
     "EarlyExitMistralConfig",
     "EarlyExitOlmo2Config",

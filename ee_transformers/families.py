@@ -28,6 +28,7 @@ difference: `attention_input` (the norm before attention), `project_key_value` (
 | Gemma 3 text (`gemma3_text`) | `Gemma3Adapter` | Gemma 2 + `positions`: one rotary per layer type; per-head `k_norm` |
 | Phi-3 (`phi3`) | `Phi3Adapter` | Mistral's layer type + fused `qkv_proj` sliced after the call; partial rotary |
 | OLMo 2 (`olmo2`) | `Olmo2Adapter` | no norm before attention; `k_norm` over the whole projection |
+| GPT-2 (`gpt2`) | `GPT2Adapter` | `transformer.h`, `ln_f`, LayerNorm exits; positions in `embed`; fused `c_attn` |
 
 What a family does inside its layers (Gemma's post-norms and attention soft-cap, OLMo 2's norms after attention)
 needs no adapter code: the core calls the layer itself. Every projection is a module call, so LoRA and quantized
@@ -269,10 +270,49 @@ class Olmo2Adapter(FamilyAdapter):
         return attn.k_norm(attn.k_proj(x)).view(hidden_shape)
 
 
+class GPT2Adapter(FamilyAdapter):
+    """Learned absolute positions added once to the embeddings (no rotary), LayerNorm with bias, a fused `c_attn`
+    Conv1D (K/V sliced from the module's output), and the decoder in `transformer.h` / `transformer.ln_f`."""
+
+    name = "gpt2"
+    decoder_name = "transformer"
+
+    def layers(self, model):
+        return self.decoder(model).h
+
+    def final_norm(self, model):
+        return self.decoder(model).ln_f
+
+    def new_exit_norm(self, model):
+        return torch.nn.LayerNorm(model.config.hidden_size, eps=model.config.layer_norm_epsilon)
+
+    def embed(self, model, input_ids, position_ids):
+        decoder = self.decoder(model)
+        h = decoder.wte(input_ids)
+        return decoder.drop(h + decoder.wpe(position_ids).to(h.device))
+
+    def positions(self, model, h, position_ids) -> dict:
+        return {}
+
+    def run_layer(self, model, j, h, inputs: LayerInputs, cache):
+        return self.layers(model)[j](h, cache=cache, attention_mask=inputs.masks["full_attention"],
+                                     position_ids=inputs.position_ids, use_cache=cache is not None)
+
+    def attention_input(self, layer, states):
+        return layer.ln_1(states)
+
+    def project_key_value(self, layer, x):
+        attn = layer.attn
+        hidden_shape = (*x.shape[:-1], -1, attn.head_dim)
+        _, key, value = attn.c_attn(x).split(attn.split_size, dim=2)
+        return key.view(hidden_shape), value.view(hidden_shape)
+
+
 __all__ = [
     "FamilyAdapter",
     "Gemma2Adapter",
     "Gemma3Adapter",
+    "GPT2Adapter",
     "LayerInputs",
     "MistralAdapter",
     "Olmo2Adapter",

@@ -20,6 +20,8 @@ from transformers import (
     Gemma3ForCausalLM,
     Gemma3TextModel,
     GenerationConfig,
+    GPT2LMHeadModel,
+    GPT2Model,
     LlamaForCausalLM,
     LlamaModel,
     MistralForCausalLM,
@@ -42,6 +44,7 @@ from transformers.utils.deprecation import deprecate_kwarg
 from .configuration_early_exit import (
     EarlyExitGemma2Config,
     EarlyExitGemma3Config,
+    EarlyExitGPT2Config,
     EarlyExitLlamaConfig,
     EarlyExitMistralConfig,
     EarlyExitOlmo2Config,
@@ -54,6 +57,7 @@ from .families import (
     FamilyAdapter,
     Gemma2Adapter,
     Gemma3Adapter,
+    GPT2Adapter,
     MistralAdapter,
     Olmo2Adapter,
     Phi3Adapter,
@@ -464,6 +468,18 @@ class EarlyExitOlmo2ForCausalLM(EarlyExitMixin, Olmo2ForCausalLM):
     base_model_class = EarlyExitOlmo2Model
 
 
+class EarlyExitGPT2Model(EarlyExitDecoderMixin, GPT2Model):
+    config_class = EarlyExitGPT2Config
+    family = GPT2Adapter(bare=True)
+
+
+class EarlyExitGPT2ForCausalLM(EarlyExitMixin, GPT2LMHeadModel):
+    config_class = EarlyExitGPT2Config
+    config: EarlyExitGPT2Config
+    family = GPT2Adapter()
+    base_model_class = EarlyExitGPT2Model
+
+
 # The family table: plain `model_type` -> early-exit causal LM. Adding a family: its adapter (families.py), its config
 # (configuration_early_exit.py), its two classes above, and one line here.
 FAMILIES = {
@@ -475,6 +491,7 @@ FAMILIES = {
     "gemma2": EarlyExitGemma2ForCausalLM,
     "phi3": EarlyExitPhi3ForCausalLM,
     "olmo2": EarlyExitOlmo2ForCausalLM,
+    "gpt2": EarlyExitGPT2ForCausalLM,
 }
 
 for _model_class in FAMILIES.values():
@@ -504,4 +521,6 @@ __all__ = [
     "EarlyExitPhi3Model",
     "EarlyExitOlmo2ForCausalLM",
     "EarlyExitOlmo2Model",
+    "EarlyExitGPT2ForCausalLM",
+    "EarlyExitGPT2Model",
 ]

@@ -13,6 +13,8 @@ from transformers import (
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    GPT2Config,
+    GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -66,6 +68,9 @@ FAMILIES = {
     # Phi-3 with partial rotary (as Phi-4-mini): half of each key head rotates
     "phi3": FamilySpec(Phi3Config, Phi3ForCausalLM, {"partial_rotary_factor": 0.5}),
     "olmo2": FamilySpec(Olmo2Config, Olmo2ForCausalLM, {}),
+    # GPT-2's default init (std 0.02, residual projections scaled down) leaves a tiny model's residual stream almost
+    # all embedding, so every exit would pick the same tokens; a larger init makes the layers matter
+    "gpt2": FamilySpec(GPT2Config, GPT2LMHeadModel, {"n_inner": 64, "initializer_range": 0.2}),
 }
 
 

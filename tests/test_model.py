@@ -25,6 +25,7 @@ EXPECTED = {
     "gemma2": ("EarlyExitGemma2ForCausalLM", "early_exit_gemma2"),
     "phi3": ("EarlyExitPhi3ForCausalLM", "early_exit_phi3"),
     "olmo2": ("EarlyExitOlmo2ForCausalLM", "early_exit_olmo2"),
+    "gpt2": ("EarlyExitGPT2ForCausalLM", "early_exit_gpt2"),
 }
 
 
@@ -148,6 +149,7 @@ def test_unsupported_family_names_the_supported_ones(tmp_path):
 
 @pytest.mark.parametrize("family, overrides, field", [
     ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),  # EmbeddingGemma
+    ("gpt2", {"add_cross_attention": True}, "add_cross_attention"),  # GPT-2 inside an encoder-decoder
 ])
 def test_variants_that_are_not_causal_lms_are_refused_by_name(tmp_path, family, overrides, field):
     from conftest import make_base
