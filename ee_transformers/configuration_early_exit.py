@@ -8,7 +8,17 @@ This file is part of the Hub runtime: it imports only torch, transformers and it
 
 from dataclasses import dataclass
 
-from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    Gemma2Config,
+    Gemma3TextConfig,
+    GPT2Config,
+    LlamaConfig,
+    MistralConfig,
+    Olmo2Config,
+    Phi3Config,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 
 EXIT_HEAD_TYPES = ("norm", "adapter")
@@ -104,10 +114,49 @@ class EarlyExitQwen3Config(EarlyExitConfigMixin, Qwen3Config):
     model_type = "early_exit_qwen3"
 
 
+class EarlyExitGemma3Config(EarlyExitConfigMixin, Gemma3TextConfig):
+    """Gemma 3 text (`Gemma3ForCausalLM`, plain `model_type` "gemma3_text")."""
+
+    model_type = "early_exit_gemma3"
+
+    def validate_early_exit(self):
+        super().validate_early_exit()
+        if self.use_bidirectional_attention:
+            raise ValueError("`use_bidirectional_attention=True` (an embedding model, not a causal LM) is not "
+                             "supported by early exit: allowed value is False.")
+
+
+class EarlyExitGemma2Config(EarlyExitConfigMixin, Gemma2Config):
+    model_type = "early_exit_gemma2"
+
+
+class EarlyExitPhi3Config(EarlyExitConfigMixin, Phi3Config):
+    model_type = "early_exit_phi3"
+
+
+class EarlyExitOlmo2Config(EarlyExitConfigMixin, Olmo2Config):
+    model_type = "early_exit_olmo2"
+
+
+class EarlyExitGPT2Config(EarlyExitConfigMixin, GPT2Config):
+    model_type = "early_exit_gpt2"
+
+    def validate_early_exit(self):
+        super().validate_early_exit()
+        if self.add_cross_attention:
+            raise ValueError("`add_cross_attention=True` (GPT-2 as the decoder of an encoder-decoder) is not "
+                             "supported by early exit: allowed value is False.")
+
+
 __all__ = [
     "EarlyExitConfigMixin",
+    "EarlyExitGemma2Config",
+    "EarlyExitGemma3Config",
+    "EarlyExitGPT2Config",
     "EarlyExitLlamaConfig",
     "EarlyExitMistralConfig",
+    "EarlyExitOlmo2Config",
+    "EarlyExitPhi3Config",
     "EarlyExitQwen2Config",
     "EarlyExitQwen3Config",
 ]

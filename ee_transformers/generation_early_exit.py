@@ -505,9 +505,10 @@ def early_exit_step(model, input_ids, attention_mask, position_ids, cache, setti
     """One forward of early-exit decoding: `input_ids` `(B, q)` -> logits `(B, V)` of each row's deciding head, its
     exit layers `(B,)` and greedy exits `(B,)`. The prefill (q > 1 or an empty cache) runs every loaded layer; a
     decoding step stops early."""
+    if position_ids is None:  # before embedding: absolute-position families (GPT-2) embed them
+        past = cache.get_seq_length()
+        position_ids = (torch.arange(input_ids.shape[1], device=input_ids.device) + past).unsqueeze(0)
     h = model.family.embed(model, input_ids, position_ids)  # (B, q, D)
-    if position_ids is None:
-        position_ids = (torch.arange(h.shape[1], device=h.device) + cache.get_seq_length()).unsqueeze(0)
     state = StepState(settings, h.shape[0], h.device, unfinished)
     if h.shape[1] > 1 or cache.get_seq_length() == 0:
         return prefill(model, h, attention_mask, position_ids, cache, settings, state)
@@ -549,6 +550,8 @@ def _step_inputs(model, input_ids, model_kwargs, first):
                                                      **model_kwargs)
     else:
         inputs = model.prepare_inputs_for_generation(input_ids, next_sequence_length=1, **model_kwargs)
+        if inputs.get("cache") is None:  # the family restarts from the whole sequence (Phi-3 past its original
+            model_kwargs["cache"].reset()  # max positions, where its rotary changes): a full-depth prefill again
     return inputs["input_ids"], inputs.get("attention_mask"), inputs.get("position_ids")
 
 

@@ -15,11 +15,21 @@ import torch
 from torch import nn
 from transformers import (
     AutoTokenizer,
+    Gemma2ForCausalLM,
+    Gemma2Model,
+    Gemma3ForCausalLM,
+    Gemma3TextModel,
     GenerationConfig,
+    GPT2LMHeadModel,
+    GPT2Model,
     LlamaForCausalLM,
     LlamaModel,
     MistralForCausalLM,
     MistralModel,
+    Olmo2ForCausalLM,
+    Olmo2Model,
+    Phi3ForCausalLM,
+    Phi3Model,
     Qwen2ForCausalLM,
     Qwen2Model,
     Qwen3ForCausalLM,
@@ -32,13 +42,28 @@ from transformers.utils import logging
 from transformers.utils.deprecation import deprecate_kwarg
 
 from .configuration_early_exit import (
+    EarlyExitGemma2Config,
+    EarlyExitGemma3Config,
+    EarlyExitGPT2Config,
     EarlyExitLlamaConfig,
     EarlyExitMistralConfig,
+    EarlyExitOlmo2Config,
+    EarlyExitPhi3Config,
     EarlyExitQwen2Config,
     EarlyExitQwen3Config,
 )
 from .exit_heads import ConfidenceHead, ExitHead
-from .families import FamilyAdapter, MistralAdapter, Qwen2Adapter, Qwen3Adapter
+from .families import (
+    FamilyAdapter,
+    Gemma2Adapter,
+    Gemma3Adapter,
+    GPT2Adapter,
+    MistralAdapter,
+    Olmo2Adapter,
+    Phi3Adapter,
+    Qwen2Adapter,
+    Qwen3Adapter,
+)
 from .generation_early_exit import (
     EXIT_ARGUMENTS,
     EXIT_CRITERIA,
@@ -93,7 +118,10 @@ class ExitHeadsMixin:
         # anything already initialised, so this is decided per leaf module
         how = getattr(module, "_ee_init", None)
         if how == "final_norm":  # an exit norm starts as the final norm: exactly "apply the final norm early"
-            init.copy_(module.weight, self.family.final_norm(self).weight)
+            final_norm = self.family.final_norm(self)
+            init.copy_(module.weight, final_norm.weight)
+            if getattr(module, "bias", None) is not None:  # LayerNorm (GPT-2)
+                init.copy_(module.bias, final_norm.bias)
         elif how == "zeros":  # adapter up-projections and confidence heads start silent
             init.zeros_(module.weight)
             if getattr(module, "bias", None) is not None:
@@ -372,19 +400,12 @@ class EarlyExitDecoderMixin(ExitHeadsMixin):
                                     attentions=out.attentions, exit_hidden_states=exit_states)
 
 
-class _DecoderAdapter(FamilyAdapter):
-    """Adapter view for a bare decoder: the decoder is the model itself."""
-
-    def decoder(self, model):
-        return model
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # the families
 # ---------------------------------------------------------------------------------------------------------------------
 class EarlyExitLlamaModel(EarlyExitDecoderMixin, LlamaModel):
     config_class = EarlyExitLlamaConfig
-    family = _DecoderAdapter()
+    family = FamilyAdapter(bare=True)
 
 
 class EarlyExitLlamaForCausalLM(EarlyExitMixin, LlamaForCausalLM):
@@ -396,7 +417,7 @@ class EarlyExitLlamaForCausalLM(EarlyExitMixin, LlamaForCausalLM):
 
 class EarlyExitMistralModel(EarlyExitDecoderMixin, MistralModel):
     config_class = EarlyExitMistralConfig
-    family = _DecoderAdapter()
+    family = MistralAdapter(bare=True)
 
 
 class EarlyExitMistralForCausalLM(EarlyExitMixin, MistralForCausalLM):
@@ -408,7 +429,7 @@ class EarlyExitMistralForCausalLM(EarlyExitMixin, MistralForCausalLM):
 
 class EarlyExitQwen2Model(EarlyExitDecoderMixin, Qwen2Model):
     config_class = EarlyExitQwen2Config
-    family = _DecoderAdapter()
+    family = Qwen2Adapter(bare=True)
 
 
 class EarlyExitQwen2ForCausalLM(EarlyExitMixin, Qwen2ForCausalLM):
@@ -420,7 +441,7 @@ class EarlyExitQwen2ForCausalLM(EarlyExitMixin, Qwen2ForCausalLM):
 
 class EarlyExitQwen3Model(EarlyExitDecoderMixin, Qwen3Model):
     config_class = EarlyExitQwen3Config
-    family = _DecoderAdapter()
+    family = Qwen3Adapter(bare=True)
 
 
 class EarlyExitQwen3ForCausalLM(EarlyExitMixin, Qwen3ForCausalLM):
@@ -430,6 +451,66 @@ class EarlyExitQwen3ForCausalLM(EarlyExitMixin, Qwen3ForCausalLM):
     base_model_class = EarlyExitQwen3Model
 
 
+class EarlyExitGemma3Model(EarlyExitDecoderMixin, Gemma3TextModel):
+    config_class = EarlyExitGemma3Config
+    family = Gemma3Adapter(bare=True)
+
+
+class EarlyExitGemma3ForCausalLM(EarlyExitMixin, Gemma3ForCausalLM):
+    config_class = EarlyExitGemma3Config
+    config: EarlyExitGemma3Config
+    family = Gemma3Adapter()
+    base_model_class = EarlyExitGemma3Model
+
+
+class EarlyExitGemma2Model(EarlyExitDecoderMixin, Gemma2Model):
+    config_class = EarlyExitGemma2Config
+    family = Gemma2Adapter(bare=True)
+
+
+class EarlyExitGemma2ForCausalLM(EarlyExitMixin, Gemma2ForCausalLM):
+    config_class = EarlyExitGemma2Config
+    config: EarlyExitGemma2Config
+    family = Gemma2Adapter()
+    base_model_class = EarlyExitGemma2Model
+
+
+class EarlyExitPhi3Model(EarlyExitDecoderMixin, Phi3Model):
+    config_class = EarlyExitPhi3Config
+    family = Phi3Adapter(bare=True)
+
+
+class EarlyExitPhi3ForCausalLM(EarlyExitMixin, Phi3ForCausalLM):
+    config_class = EarlyExitPhi3Config
+    config: EarlyExitPhi3Config
+    family = Phi3Adapter()
+    base_model_class = EarlyExitPhi3Model
+
+
+class EarlyExitOlmo2Model(EarlyExitDecoderMixin, Olmo2Model):
+    config_class = EarlyExitOlmo2Config
+    family = Olmo2Adapter(bare=True)
+
+
+class EarlyExitOlmo2ForCausalLM(EarlyExitMixin, Olmo2ForCausalLM):
+    config_class = EarlyExitOlmo2Config
+    config: EarlyExitOlmo2Config
+    family = Olmo2Adapter()
+    base_model_class = EarlyExitOlmo2Model
+
+
+class EarlyExitGPT2Model(EarlyExitDecoderMixin, GPT2Model):
+    config_class = EarlyExitGPT2Config
+    family = GPT2Adapter(bare=True)
+
+
+class EarlyExitGPT2ForCausalLM(EarlyExitMixin, GPT2LMHeadModel):
+    config_class = EarlyExitGPT2Config
+    config: EarlyExitGPT2Config
+    family = GPT2Adapter()
+    base_model_class = EarlyExitGPT2Model
+
+
 # The family table: plain `model_type` -> early-exit causal LM. Adding a family: its adapter (families.py), its config
 # (configuration_early_exit.py), its two classes above, and one line here.
 FAMILIES = {
@@ -437,6 +518,11 @@ FAMILIES = {
     "mistral": EarlyExitMistralForCausalLM,
     "qwen2": EarlyExitQwen2ForCausalLM,
     "qwen3": EarlyExitQwen3ForCausalLM,
+    "gemma3_text": EarlyExitGemma3ForCausalLM,
+    "gemma2": EarlyExitGemma2ForCausalLM,
+    "phi3": EarlyExitPhi3ForCausalLM,
+    "olmo2": EarlyExitOlmo2ForCausalLM,
+    "gpt2": EarlyExitGPT2ForCausalLM,
 }
 
 for _model_class in FAMILIES.values():
@@ -458,4 +544,14 @@ __all__ = [
     "EarlyExitQwen2Model",
     "EarlyExitQwen3ForCausalLM",
     "EarlyExitQwen3Model",
+    "EarlyExitGemma3ForCausalLM",
+    "EarlyExitGemma3Model",
+    "EarlyExitGemma2ForCausalLM",
+    "EarlyExitGemma2Model",
+    "EarlyExitPhi3ForCausalLM",
+    "EarlyExitPhi3Model",
+    "EarlyExitOlmo2ForCausalLM",
+    "EarlyExitOlmo2Model",
+    "EarlyExitGPT2ForCausalLM",
+    "EarlyExitGPT2Model",
 ]

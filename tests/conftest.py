@@ -9,10 +9,20 @@ from typing import NamedTuple
 import pytest
 import torch
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    GPT2Config,
+    GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -29,6 +39,7 @@ TINY = dict(vocab_size=99, hidden_size=32, intermediate_size=64, num_hidden_laye
 # layers both mask (prefill) and evict (dynamic and static caches keep only the last window) during every test.
 SLIDING_WINDOW = 4
 MIXED_LAYERS = ["full_attention", "sliding_attention", "full_attention", "sliding_attention"]
+GEMMA_LAYERS = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]  # local first, as Gemma
 
 
 class FamilySpec(NamedTuple):
@@ -46,6 +57,20 @@ FAMILIES = {
                                                                 "sliding_window": SLIDING_WINDOW,
                                                                 "layer_types": MIXED_LAYERS}),
     "qwen3": FamilySpec(Qwen3Config, Qwen3ForCausalLM, {"head_dim": 8}),
+    # Gemma: local/global alternation with a window that bites, local and global rotary bases, final soft-cap (the
+    # Gemma 3 release has none; the test model sets one so the exits' soft-cap is checked on both)
+    "gemma3": FamilySpec(Gemma3TextConfig, Gemma3ForCausalLM, {
+        "head_dim": 8, "query_pre_attn_scalar": 8, "sliding_window": SLIDING_WINDOW, "layer_types": GEMMA_LAYERS,
+        "final_logit_softcapping": 0.2}),
+    "gemma2": FamilySpec(Gemma2Config, Gemma2ForCausalLM, {
+        "head_dim": 8, "query_pre_attn_scalar": 8, "sliding_window": SLIDING_WINDOW, "layer_types": GEMMA_LAYERS,
+        "final_logit_softcapping": 0.2, "attn_logit_softcapping": 0.5}),
+    # Phi-3 with partial rotary (as Phi-4-mini): half of each key head rotates
+    "phi3": FamilySpec(Phi3Config, Phi3ForCausalLM, {"partial_rotary_factor": 0.5}),
+    "olmo2": FamilySpec(Olmo2Config, Olmo2ForCausalLM, {}),
+    # GPT-2's default init (std 0.02, residual projections scaled down) leaves a tiny model's residual stream almost
+    # all embedding, so every exit would pick the same tokens; a larger init makes the layers matter
+    "gpt2": FamilySpec(GPT2Config, GPT2LMHeadModel, {"n_inner": 64, "initializer_range": 0.2}),
 }
 
 

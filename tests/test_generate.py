@@ -70,6 +70,13 @@ def peaked(token, height):
     return fn
 
 
+def assert_decided_at(exit_layers, layer):
+    """Every token decided at `layer`; -1 only after a row's EOS (a random tiny model may draw it)."""
+    assert (exit_layers[:, 0] == layer).all(), exit_layers
+    assert ((exit_layers == layer) | (exit_layers == -1)).all(), exit_layers
+    assert ((exit_layers[:, 1:] == -1) >= (exit_layers[:, :-1] == -1)).all(), exit_layers  # -1 to the end
+
+
 def extended_mask(mask, length):
     """The prompt's mask extended with ones to `length` positions."""
     return torch.cat([mask, torch.ones(mask.shape[0], length - mask.shape[1], dtype=mask.dtype)], 1)
@@ -99,7 +106,7 @@ def test_exits_disabled_generate_equals_base(base_dirs, family, cache_implementa
     assert torch.equal(model.generate(ids, **kwargs), expected)
     out = model.generate(ids, return_dict_in_generate=True, **kwargs)
     assert torch.equal(out.sequences, expected)
-    assert (out.exit_layers == LAYERS - 1).all()
+    assert_decided_at(out.exit_layers, LAYERS - 1)
     model.set_exit_defaults(exit_criterion="max_prob", exit_threshold=0.0)  # stored settings switch exits on ...
     assert not torch.equal(model.generate(ids, **kwargs), expected)
     assert torch.equal(model.generate(ids, early_exit=False, **kwargs), expected)  # ... and early_exit=False off
@@ -115,7 +122,7 @@ def test_forced_exit_equals_base_cut_at_exit_plus_head(base_dirs, family, policy
     out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, exit_criterion="max_prob",
                          exit_threshold=0.0, exit_policy=policy, exit_kv=kv,
                          exit_check_layers=model.config.exit_layers[exit_index:], return_dict_in_generate=True)
-    assert (out.exit_layers == layer).all()
+    assert_decided_at(out.exit_layers, layer)
     expected = cut_at_exit(base, model, exit_index).generate(ids, attention_mask=mask, max_new_tokens=6,
                                                              do_sample=False)
     assert torch.equal(out.sequences, expected)
@@ -148,7 +155,7 @@ def test_backfilled_kv_equals_skipped_layers_own_projections(base_dirs, family):
     model = ee_model(base_dirs, family)
     ids, mask = padded_batch()
     out = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, exit_criterion="max_prob",
-                         exit_threshold=0.0, exit_check_layers=[1], return_dict_in_generate=True)
+                         exit_threshold=0.0, exit_check_layers=[1], min_new_tokens=5, return_dict_in_generate=True)
     assert (out.exit_layers == 1).all()
     cached_ids = out.sequences[:, :-1]  # the last token was never fed back
     length = cached_ids.shape[1]
@@ -415,3 +422,23 @@ def test_exit_arguments_on_a_model_without_exit_heads(base_dirs):
     with pytest.raises(ValueError, match="exit_threshold.*no exit heads"):
         model.generate(ids, max_new_tokens=2, exit_threshold=0.5)
     assert model.generate(ids, max_new_tokens=2).shape == (1, 4)
+
+
+@pytest.mark.parametrize("cache_implementation", [None, "static"])
+def test_phi3_cache_restart_at_original_max_positions_equals_base_cut(tmp_path, cache_implementation):
+    """Phi-3's `prepare_inputs_for_generation` drops the cache once a sequence outgrows
+    `original_max_position_embeddings` (its long rotary factors take over) and recomputes from the whole sequence;
+    early-exit decoding must restart the same way, not append the sequence to the old cache."""
+    from conftest import make_base
+
+    base = make_base("phi3", original_max_position_embeddings=9)
+    base.save_pretrained(tmp_path)
+    model = eet.from_base(tmp_path, exit_layers=[0, 1, 2]).eval()
+    ids, mask = padded_batch()  # 7 positions + 6 new: the cache restarts when the sequence reaches 10
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                  cache_implementation=cache_implementation)
+    out = model.generate(ids, exit_criterion="max_prob", exit_threshold=0.0, exit_check_layers=[1],
+                         return_dict_in_generate=True, **kwargs)
+    expected = cut_at_exit(base, model, 1).generate(ids, **kwargs)
+    assert torch.equal(out.sequences, expected)
+    assert out.cache.get_seq_length() == out.sequences.shape[1] - 1

@@ -21,6 +21,11 @@ EXPECTED = {
     "mistral": ("EarlyExitMistralForCausalLM", "early_exit_mistral"),
     "qwen2": ("EarlyExitQwen2ForCausalLM", "early_exit_qwen2"),
     "qwen3": ("EarlyExitQwen3ForCausalLM", "early_exit_qwen3"),
+    "gemma3_text": ("EarlyExitGemma3ForCausalLM", "early_exit_gemma3"),
+    "gemma2": ("EarlyExitGemma2ForCausalLM", "early_exit_gemma2"),
+    "phi3": ("EarlyExitPhi3ForCausalLM", "early_exit_phi3"),
+    "olmo2": ("EarlyExitOlmo2ForCausalLM", "early_exit_olmo2"),
+    "gpt2": ("EarlyExitGPT2ForCausalLM", "early_exit_gpt2"),
 }
 
 
@@ -140,6 +145,18 @@ def test_unsupported_family_names_the_supported_ones(tmp_path):
         eet.from_base(tmp_path, exit_layers=[0])
     for name in eet.FAMILIES:
         assert repr(name) in str(info.value)
+
+
+@pytest.mark.parametrize("family, overrides, field", [
+    ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),  # EmbeddingGemma
+    ("gpt2", {"add_cross_attention": True}, "add_cross_attention"),  # GPT-2 inside an encoder-decoder
+])
+def test_variants_that_are_not_causal_lms_are_refused_by_name(tmp_path, family, overrides, field):
+    from conftest import make_base
+
+    make_base(family, **overrides).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=f"`{field}=True`.*allowed value is False"):
+        eet.from_base(tmp_path, exit_layers=[0])
 
 
 def _tiny_tokenizer():
