@@ -231,7 +231,7 @@ def _calibrate_with_measured(fitted, monkeypatch, measured_quartiles, **config):
     folder, _, heldout = fitted
     calls = []
 
-    def fake_measure(model, prompts, exit_kwargs, cfg):
+    def fake_measure(model, prompts, exit_kwargs, cfg, batch_size=None):
         q = measured_quartiles[len(calls)]
         calls.append(exit_kwargs)
         return {"median": q + 0.05, "lower_quartile": q, "values": [q, q + 0.1], "pairs": 2, "batch_size": 1,
@@ -285,3 +285,24 @@ def test_guarantee_certifies_a_setting_whose_teacher_forced_disagreement_is_with
     strict = calibrate(model, heldout, CalibrationConfig(guarantee=1e-6, confidence=0.01), costs=FREE)
     assert strict["chosen"] is None and "certified" in strict["message"]
     assert "Learn then Test" in calibration_card(report)
+
+
+def test_the_speed_promise_must_hold_at_every_batch_size_asked(fitted, monkeypatch):
+    import ee_transformers.training.calibrate as cal
+
+    folder, _, heldout = fitted
+    seen = []
+
+    def fake_measure(model, prompts, exit_kwargs, cfg, batch_size=None):
+        seen.append(batch_size)
+        q = 1.2 if batch_size == 1 else 0.9  # pays alone, not at batch 2
+        return {"median": q, "lower_quartile": q, "values": [q, q], "pairs": 2, "batch_size": batch_size,
+                "new_tokens": 8, "identical_token_share": 0.5}
+
+    monkeypatch.setattr(cal, "measure_speed", fake_measure)
+    report = calibrate(eet.from_base(folder), heldout,
+                       CalibrationConfig(target_agreement=0.6, measure_speed=True, speed_batch_sizes=[1, 2],
+                                         speed_candidates=1), costs=FREE)
+    assert seen == [1, 2] and report["chosen"] is None
+    assert report["speed"]["tried"][0]["measured"]["batch_size"] == 2, "the binding batch size is reported"
+    assert "batch 2" in report["message"]
