@@ -43,3 +43,15 @@ def test_bench_reports_every_measure(base_dirs):
     on = bench.compare(model, plain, prompts, {"exit_criterion": "max_prob", "exit_threshold": 0.0}, config=config,
                        batch_size=2)
     assert 0.0 <= on["quality"]["per_token_agreement"] <= 1.0 and on["exits"]["mean_exit_layer"] == 0
+
+
+def test_card_snippet_uses_the_stored_settings(base_dirs, tmp_path):
+    from ee_transformers.tools.model_card import render_model_card
+
+    model = eet.from_base(base_dirs["llama"][0], exit_layers=[0, 1, 2])
+    bare = render_model_card(model)
+    assert 'exit_criterion="max_prob", exit_threshold=0.9' in bare and "No exit settings are stored" in bare
+    model.set_exit_defaults(exit_criterion="entropy", exit_threshold=0.7)
+    card = render_model_card(model)
+    assert "exit_threshold=0.9" not in card, "no hand-written settings once some are stored"
+    assert "stored (calibrated) exit settings apply" in card and "criterion `entropy`, threshold `0.7`" in card

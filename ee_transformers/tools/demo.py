@@ -88,37 +88,134 @@ def main(argv=None):
         model, report, fit_summary = _fit_and_calibrate(args, exit_layers, model_dir, novels, python_docs, out)
     tokenizer = model.tokenizer
 
-    print("== 5. early exit vs full depth, side by side (held-out prompts)")
+    print("== 5. what early exit gains you: every mode against full depth (held-out prompts, this machine)")
+    stage = time.perf_counter()
     plain = bench.plain_twin(model)
     prompts = bench.heldout_prompts(tokenizer, num_prompts=args.prompts)
-    configurations = [("calibrated (stored in the folder)", {})]
-    best = _best_candidate(report)
-    if not report.get("chosen") and best is not None:
-        # calibration left exits off: show what the best policy for the target does, so the trade-off is visible
-        configurations.append((f"best policy for the target, not stored: check {best['check_layers']}", {
-            "exit_criterion": report["criterion"], "exit_threshold": best["thresholds"],
-            "exit_check_layers": best["check_layers"], "exit_policy": report["policy"]}))
-    rows = []
-    compare_config = bench.BenchConfig(new_tokens=args.new_tokens, repeats=2 if args.quick else 3)
-    for name, exit_kwargs in configurations:
-        for batch_size in batch_sizes:
-            stats = bench.compare(model, plain, prompts, exit_kwargs, compare_config, batch_size=batch_size,
-                                  name=name)
-            rows.append((name, batch_size, stats))
-    table = _side_by_side(rows, model.config.num_hidden_layers)
+    lines = gains(model, plain, prompts, report, batch_sizes, args.new_tokens, quick=args.quick,
+                  calibration_texts=_calibration_texts(novels, python_docs, args.max_chars), folder=out)
+    table = "\n".join(lines)
     print(table)
+    print(f"   ({_minutes(stage)} min)")
     write_model_card(model, out, extra={"evaluation": (
         f"Greedy decoding of {args.new_tokens} new tokens from {len(prompts)} held-out prompts (the second half of "
-        "*Sense and Sensibility* and a slice of the Python manual), early exit against full depth on the same "
-        "weights, interleaved in one process on this machine (`ee-transformers demo`):\n\n" + table)})
-    _show_sample(model, plain, tokenizer, prompts[0]["ids"], args.new_tokens, configurations[-1][1])
+        "*Sense and Sensibility* and a slice of the Python manual) on this machine (`ee-transformers demo`):\n\n"
+        + table)})
+    _show_sample(model, plain, tokenizer, prompts[0]["ids"], args.new_tokens, {})
     summary = {"folder": out, "fit": {k: v for k, v in fit_summary.items() if k != "history"},
-               "calibration": {k: report.get(k) for k in ("chosen", "heldout_B", "message")},
-               "comparison": [{"configuration": n, "batch_size": b, **s} for n, b, s in rows],
-               "minutes": round((time.perf_counter() - started) / 60, 1)}
+               "calibration": {k: report.get(k) for k in ("chosen", "heldout_B", "on_policy_B", "speed", "message")},
+               "gains": table, "minutes": round((time.perf_counter() - started) / 60, 1)}
     Path(out, "demo_summary.json").write_text(json.dumps(bench.jsonable(summary), indent=1))
     print(f"== done in {summary['minutes']} min; summary in {Path(out, 'demo_summary.json')}")
     return 0
+
+
+def _minutes(since):
+    return round((time.perf_counter() - since) / 60, 1)
+
+
+def _calibration_texts(novels, python_docs, max_chars):
+    from ee_transformers.tools import assets
+
+    return [_slice(novels[assets.AUSTEN_HELDOUT], CALIBRATION_REGIONS["austen"], max_chars // 2),
+            _slice(python_docs, CALIBRATION_REGIONS["python"], max_chars // 2)]
+
+
+@torch.no_grad()
+def _quality(model, plain, prompts, batch_size, new_tokens, exit_kwargs):
+    """The quality measures of `model.generate(**exit_kwargs)` against `plain` full depth, untimed."""
+    from ee_transformers.tools import bench
+    from ee_transformers.tools.quality import full_model_view, identical_share, perplexity
+
+    views, plain_views, rows = [], [], []
+    eos = bench.timing._eos_ids(plain)
+    for ids, mask, _ in bench.make_batches(prompts, batch_size, max(1, len(prompts) // batch_size),
+                                            device=model.device):
+        config = bench.timing._generation_config(plain, new_tokens)
+        full = plain.generate(ids, attention_mask=mask, generation_config=config).sequences
+        ee = model.generate(ids, attention_mask=mask, generation_config=config, **exit_kwargs).sequences
+        views.append(full_model_view(plain, ee, ids.shape[1], mask, eos))
+        plain_views.append(full_model_view(plain, full, ids.shape[1], mask, eos))
+        rows += identical_share(full[:, ids.shape[1]:].cpu(), ee[:, ids.shape[1]:].cpu(), eos)
+    tokens = sum(v["tokens"] for v in views)
+    return {"per_token_agreement": sum(v["agree"] for v in views) / max(tokens, 1),
+            "identical_share": sum(r["matches"] for r in rows) / max(sum(r["compared"] for r in rows), 1),
+            "first_divergence": sum(r["first_divergence"] for r in rows) / max(len(rows), 1),
+            "ppl": perplexity(sum(v["nll"] for v in views), tokens),
+            "full_ppl": perplexity(sum(v["nll"] for v in plain_views), sum(v["tokens"] for v in plain_views))}
+
+
+def _gib(n):
+    return f"{n / 2**20:.0f} MiB"
+
+
+def gains(model, plain, prompts, report, batch_sizes, new_tokens, quick=False, calibration_texts=None, folder=None):
+    """The main job's final screen: full depth, the stored (calibrated) setting, lossless self-speculation and the
+    lean HELIOS model, each with its measured speed against full depth and the quality measures, one line of meaning
+    each. The stored setting's speed is calibration's own interleaved measurement (the one that decided whether exits
+    stay on), so the screen cannot show a stored setting slower than full depth by its own measurement."""
+    from ee_transformers.lean_early_exit import resident_parameter_bytes
+    from ee_transformers.tools import bench
+    from ee_transformers.tools.quality import EXPLAINER
+
+    config = bench.BenchConfig(new_tokens=new_tokens, repeats=1 if quick else 3, max_batches=[1], warmup=not quick)
+    exits = list(model.config.exit_layers)
+    header = ("| mode | batch | speed vs full depth (measured) | per-token agreement | identical-token share | "
+              "tokens to 1st divergence | perplexity (full model's) | resident weights | what it means |")
+    lines = [header, "|---|---|---|---|---|---|---|---|---|"]
+    weights = resident_parameter_bytes(model)
+
+    def row(mode, b, speed, q, resident, meaning):
+        lines.append(f"| {mode} | {b} | {speed} | {q['per_token_agreement']:.3f} | {q['identical_share']:.3f} | "
+                     f"{q['first_divergence']:.1f} | {q['ppl']:.2f} | {resident} | {meaning} |")
+
+    for b in batch_sizes:
+        q_full = _quality(plain, plain, prompts, b, new_tokens, {})
+        row("full depth", b, "1.00x", q_full, _gib(weights), "every layer for every token: the reference")
+        if report.get("chosen"):
+            measured = (report.get("speed") or {}).get("tried", [{}])[-1].get("by_batch_size", {}).get(str(b))
+            speed = (f"{measured['median']:.2f}x (lower quartile {measured['lower_quartile']:.2f}x)" if measured
+                     else "not measured at this batch")
+            row("calibrated (stored)", b, speed, _quality(model, plain, prompts, b, new_tokens, {}), _gib(weights),
+                f"checks exits {report['chosen']['check_layers']}: faster, the text may differ")
+        else:
+            lines.append(f"| calibrated (stored) | {b} | = full depth | 1.000 | 1.000 | all | {q_full['ppl']:.2f} | "
+                         f"{_gib(weights)} | exits left off: {report.get('message', '').replace('|', '/')} |")
+        draft = exits[len(exits) // 2]
+        spec = {"assistant_early_exit": draft + 1, "num_assistant_tokens": 4}
+        measured = bench.compare(model, plain, prompts, spec, config=config, batch_size=b,
+                                 name="self-speculative")["speedup"]
+        row(f"self-speculative (drafts from exit {draft})", b, f"{measured['median']:.2f}x",
+            _quality(model, plain, prompts, b, new_tokens, spec), _gib(weights),
+            "lossless: the same text as full depth by construction")
+    if calibration_texts and folder and report.get("chosen"):
+        lines += _lean_lines(model, plain, prompts, folder, batch_sizes[-1], new_tokens, config, calibration_texts)
+    lines += ["", EXPLAINER, "Speed: paired, interleaved ratios of decode time per token against full depth on the "
+              "same weights (median; calibrated: lower quartile too, as calibration measured it)."]
+    return lines
+
+
+def _lean_lines(model, plain, prompts, folder, batch_size, new_tokens, config, texts):
+    """HELIOS lean loading: profile the stored settings, load only the layers 95% of tokens need, show the memory."""
+    import ee_transformers as eet
+    from ee_transformers.lean_early_exit import resident_parameter_bytes
+    from ee_transformers.tools import bench
+    from ee_transformers.tools.profile import profile_exits
+
+    profile = profile_exits(model, model.tokenizer, texts, batch_size=4, window=128, max_tokens=4096, write=False,
+                            progress=False)
+    depth = profile.recommend(0.95)
+    if depth >= model.config.num_hidden_layers - 1:
+        return [f"| lean (HELIOS) | - | - | - | - | - | - | - | the profile needs full depth for 95% of tokens "
+                f"({profile}) |"]
+    lean = eet.from_base(folder, exit_max_layer=depth, dtype=model.dtype).eval()
+    measured = bench.compare(lean, plain, prompts, {}, config=config, batch_size=batch_size, name="lean")
+    q = _quality(lean, plain, prompts, batch_size, new_tokens, {})
+    full_w, lean_w = resident_parameter_bytes(model), resident_parameter_bytes(lean)
+    return [f"| lean (HELIOS, layers 0..{depth}) | {batch_size} | {measured['speedup']['median']:.2f}x | "
+            f"{q['per_token_agreement']:.3f} | {q['identical_share']:.3f} | {q['first_divergence']:.1f} | "
+            f"{q['ppl']:.2f} | {_gib(lean_w)} ({100 * lean_w / full_w:.0f}%) | tokens undecided at {depth} exit "
+            f"greedily there; the memory saved holds {full_w / max(lean_w, 1):.2f}x the batch in weights' room |"]
 
 
 def _fit_and_calibrate(args, exit_layers, model_dir, novels, python_docs, out):
@@ -130,12 +227,14 @@ def _fit_and_calibrate(args, exit_layers, model_dir, novels, python_docs, out):
     from ee_transformers.tools import assets
     from ee_transformers.convert import from_base
 
+    stage = time.perf_counter()
     print(f"== 2. exit heads after layers {exit_layers} (norm + rank-{args.adapter_rank} adapter)")
     model = from_base(model_dir, exit_layers=exit_layers, exit_head="adapter", exit_adapter_rank=args.adapter_rank,
                       dtype=torch.float32)
     tokenizer = model.tokenizer
 
     print(f"== 3. fit ({args.steps} steps, frozen backbone)")
+    stage = time.perf_counter()
     train_texts = [_slice(novels[name], (0.0, 1.0), args.max_chars) for name in assets.AUSTEN_TRAIN]
     train_texts.append(_slice(python_docs, FIT_REGIONS["python"], args.max_chars))
     blocks = tokenize_blocks(train_texts, tokenizer, 256)
@@ -147,22 +246,29 @@ def _fit_and_calibrate(args, exit_layers, model_dir, novels, python_docs, out):
     for layer, before, after in zip(exit_layers, result.agreement_before, result.agreement_after):
         print(f"   exit {layer:2d}: agreement with the final layer {before:.3f} -> {after:.3f}")
     if args.confidence_steps:
+        print(f"   ({_minutes(stage)} min)")
+        stage = time.perf_counter()
         print(f"== 3b. learned confidence heads ({args.confidence_steps} steps)")
         confidence_config = FitConfig(steps=1, batch_size=2, confidence_steps=args.confidence_steps,
                                       eval_blocks=8)
         result.confidence = fit_confidence_heads(model, train, heldout, confidence_config)
         print(f"   held-out accuracy per exit: {result.confidence['accuracy']}")
 
-    print(f"== 4. calibrate ({args.criterion}, {args.policy} policy, target agreement {args.target_agreement})")
-    calibration_texts = [_slice(novels[assets.AUSTEN_HELDOUT], CALIBRATION_REGIONS["austen"], args.max_chars // 2),
-                         _slice(python_docs, CALIBRATION_REGIONS["python"], args.max_chars // 2)]
+    print(f"   ({_minutes(stage)} min)")
+    stage = time.perf_counter()
+    print(f"== 4. calibrate ({args.criterion}, {args.policy} policy, target agreement {args.target_agreement}, "
+          "speed measured against full depth)")
+    calibration_texts = _calibration_texts(novels, python_docs, args.max_chars)
     calibration_blocks = tokenize_blocks(calibration_texts, tokenizer, 256)[: 16 if args.quick else 48]
     # row policy by default: at batch 8 a batch-wide exit would need all eight rows confident at once
-    report = calibrate(model, calibration_blocks, CalibrationConfig(criterion=args.criterion,
-                                                                    target_agreement=args.target_agreement,
-                                                                    policy=args.policy))
+    # the speed promise is measured at every batch size the demo shows, and must hold at each
+    batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
+    report = calibrate(model, calibration_blocks, CalibrationConfig(
+        criterion=args.criterion, target_agreement=args.target_agreement, policy=args.policy, measure_speed=True,
+        speed_batch_sizes=batch_sizes, speed_new_tokens=min(args.new_tokens, 32), speed_repeats=2 if args.quick else 3,
+        decode_batch_size=batch_sizes[0]))
     apply_calibration(model, report)
-    print("  ", report["message"])
+    print("  ", report["message"], f"({_minutes(stage)} min)")
 
     data_desc = (f"Jane Austen's {', '.join(assets.AUSTEN_TRAIN)} and the first half of the Python manual (Debian "
                  "packages r-cran-janeaustenr and python3-doc)")
@@ -175,25 +281,6 @@ def _fit_and_calibrate(args, exit_layers, model_dir, novels, python_docs, out):
                       reports={"calibration.json": report, "fit_report.json": result.summary()})
     print(f"   saved {out}")
     return model, report, result.summary()
-
-
-def _best_candidate(report):
-    """The fastest candidate policy that met the target on split A (calibration's own choice when it made one)."""
-    candidates = [c for c in report.get("candidates") or [] if c.get("check_layers")]
-    return max(candidates, key=lambda c: c["speedup"]) if candidates else None
-
-
-def _side_by_side(rows, num_layers):
-    lines = ["| early exit | batch | full depth tok/s | early exit tok/s | speed-up (median, min-max) | agreement | "
-             "tokens to first divergence | mean exit layer |", "|---|---|---|---|---|---|---|---|"]
-    for name, batch_size, s in rows:
-        speed = s["speedup"]
-        lines.append(
-            f"| {name} | {batch_size} | {1000 * batch_size / s['plain_ms_per_step']['median']:.1f} | "
-            f"{1000 * batch_size / s['ee_ms_per_step']['median']:.1f} | "
-            f"{speed['median']:.2f}x ({speed['min']:.2f}-{speed['max']:.2f}) | {s['agreement']['share']:.3f} | "
-            f"{s['agreement']['first_divergence']:.1f} | {s['exits']['mean_exit_layer']:.1f} of {num_layers - 1} |")
-    return "\n".join(lines)
 
 
 def _show_sample(model, plain, tokenizer, ids, new_tokens, exit_kwargs):

@@ -103,7 +103,19 @@ def render_model_card(model, extra: dict | None = None) -> str:
     else:
         license_text = (f"`{license_}`, the license of the base model{f' `{base_model}`' if base_model else ''}, "
                         "whose weights this folder holds.")
+    if stored.get("exit_criterion") is not None or stored.get("exit_patience"):
+        generate_snippet = ("# the stored (calibrated) exit settings apply: generation_config.json holds them\n"
+                            "out = model.generate(**inputs, max_new_tokens=32, return_dict_in_generate=True)")
+        snippet_note = "The call above uses the exit settings stored in `generation_config.json` (" + decoding + ")."
+    else:
+        generate_snippet = ("# no exit settings are stored (full depth by default): pass them to try early exit\n"
+                            "out = model.generate(**inputs, max_new_tokens=32, exit_criterion=\"max_prob\", "
+                            "exit_threshold=0.9,\n                     return_dict_in_generate=True)")
+        snippet_note = ("No exit settings are stored, so the snippet passes some by hand; calibrate the folder "
+                        "(`ee-transformers calibrate`) to store settings chosen for a quality target.")
     values = dict(
+        generate_snippet=generate_snippet,
+        snippet_note=snippet_note,
         base_model_line=(f"base_model: {json.dumps(base_model)}" if base_model else
                          "# base_model: not recorded (built from a local folder that does not name its Hub model)"),
         license_id=license_,
