@@ -10,6 +10,7 @@ from .modeling_early_exit import (
     EarlyExitQwen2ForCausalLM,
     EarlyExitQwen3ForCausalLM,
 )
+from .tools.arguments import InputError
 from .tools.model_card import source_card_data
 
 logger = logging.getLogger(__name__)
@@ -34,12 +35,57 @@ def model_class_for(model_type: str):
 
 
 def read_config(path, argument: str = "path") -> dict:
-    """The raw `config.json` of a model folder; a `ValueError` naming `argument` when there is none."""
-    config_file = os.path.join(str(path), "config.json")
+    """The raw `config.json` of a model folder, a JSON object; an `InputError` (a `ValueError`) naming `argument` or
+    the file when the folder is missing, holds no config.json, or it is not a JSON object."""
+    folder = str(path)
+    if not os.path.isdir(folder):
+        raise InputError(f"`{argument}` {folder!r} " + ("is a file, not a model folder." if os.path.exists(folder)
+                                                        else "does not exist."))
+    config_file = os.path.join(folder, "config.json")
     if not os.path.isfile(config_file):
-        raise ValueError(f"`{argument}` {str(path)!r} is not a model folder: no config.json in it.")
-    with open(config_file) as f:
-        return json.load(f)
+        raise InputError(f"`{argument}` {folder!r} is not a model folder: no config.json in it.")
+    try:
+        with open(config_file, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, UnicodeDecodeError) as error:
+        raise InputError(f"{config_file} cannot be read ({error}).") from None
+    except json.JSONDecodeError as error:
+        raise InputError(f"{config_file} is not valid JSON ({error.msg} at line {error.lineno} column "
+                         f"{error.colno}).") from None
+    if not isinstance(config, dict):
+        raise InputError(f"{config_file} must hold a JSON object, not a JSON {type(config).__name__}.")
+    return config
+
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def check_weights(path, argument: str = "path") -> None:
+    """Raises `InputError` naming `argument` unless the folder holds weights whose safetensors headers are sound (a
+    header read, not the tensors: cheap even for a large model)."""
+    from safetensors import SafetensorError, safe_open
+
+    folder = str(path)
+    present = [name for name in WEIGHT_FILES if os.path.isfile(os.path.join(folder, name))]
+    if not present:
+        raise InputError(f"`{argument}` {folder!r} holds no weights (none of {', '.join(WEIGHT_FILES)}).")
+    files = []
+    if "model.safetensors" in present:
+        files = ["model.safetensors"]
+    elif "model.safetensors.index.json" in present:
+        index_file = os.path.join(folder, "model.safetensors.index.json")
+        try:
+            with open(index_file, encoding="utf-8") as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+            raise InputError(f"{index_file} is not a safetensors index ({type(error).__name__}: {error}).") from None
+    for name in files:
+        file = os.path.join(folder, str(name))
+        try:
+            with safe_open(file, "pt"):
+                pass
+        except (OSError, SafetensorError) as error:
+            raise InputError(f"`{argument}` {folder!r}: the weights {name} cannot be read ({error}).") from None
 
 
 def from_base(path, exit_layers=None, exit_head=None, exit_adapter_rank=None, **kwargs):
@@ -49,6 +95,8 @@ def from_base(path, exit_layers=None, exit_head=None, exit_adapter_rank=None, **
     validated before any weight is read. Extra keyword arguments go to `from_pretrained` (e.g. `dtype`).
     """
     config = read_config(path)
+    if "gguf_file" not in kwargs:
+        check_weights(path)
     cls = model_class_for(config.get("model_type"))
     overrides = {k: v for k, v in dict(exit_layers=exit_layers, exit_head=exit_head,
                                        exit_adapter_rank=exit_adapter_rank).items() if v is not None}
