@@ -95,8 +95,6 @@ def from_base(path, exit_layers=None, exit_head=None, exit_adapter_rank=None, **
     validated before any weight is read. Extra keyword arguments go to `from_pretrained` (e.g. `dtype`).
     """
     config = read_config(path)
-    if "gguf_file" not in kwargs:
-        check_weights(path)
     cls = model_class_for(config.get("model_type"))
     overrides = {k: v for k, v in dict(exit_layers=exit_layers, exit_head=exit_head,
                                        exit_adapter_rank=exit_adapter_rank).items() if v is not None}
@@ -104,6 +102,8 @@ def from_base(path, exit_layers=None, exit_head=None, exit_adapter_rank=None, **
     fields = {k: v for k, v in config.items() if k not in ("model_type", "architectures", "auto_map")}
     fields.update(overrides)
     config_obj = cls.config_class(**fields)  # validates
+    if "gguf_file" not in kwargs:
+        check_weights(path)  # then the weights: present, with sound headers
     model = cls.from_pretrained(path, config=config_obj, **kwargs)
     # what the source says about itself (its Hub name, its license), for the model cards of folders saved from it
     model.card_data = source_card_data(path)

@@ -59,7 +59,7 @@ def read_austen_rdb(rdb_path: Path) -> dict[str, list[str | None]]:
         index = read_rdx(rdx_path.read_bytes())
         named = [(name, rdb[off:off + length]) for name, (off, length) in sorted(index.items(), key=lambda kv: kv[1])]
     except (OSError, RDataError) as err:
-        logger.warning("could not use the index %s (%s); naming the novels by their order", rdx_path, err)
+        logger.info("could not use the index %s (%s); naming the novels by their order", rdx_path, err)
     novels: dict[str, list[str | None]] = {}
     if named:
         for name, block in named:
@@ -231,7 +231,7 @@ def fetch_text(cache_dir: str | os.PathLike | None = None, force: bool = False, 
         marker = {
             "asset": "text",
             "austen": {
-                "source": f"Debian package {AUSTEN_PACKAGE} ({AUSTEN_RDB})",
+                "source": f"Debian package {AUSTEN_PACKAGE} {AUSTEN_VERSION} (sha256 {AUSTEN_DEB_SHA256}), {AUSTEN_RDB}",
                 "license": "novels: public domain; janeaustenr packaging: MIT",
                 "files": {slug: {"title": AUSTEN_TITLES[slug], "chars": len(austen[slug]),
                                  "words": len(austen[slug].split())} for slug in AUSTEN_NOVELS},
