@@ -43,7 +43,10 @@ def _read_jsonl(path: str, text_field: str) -> list[str]:
         raw = f.read()
     stripped = raw.lstrip()
     if stripped.startswith("["):  # a JSON array of records
-        records = json.loads(raw)
+        try:
+            records = json.loads(raw)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}: not valid JSON ({error.msg} at line {error.lineno}).") from None
     else:
         records = []
         for number, line in enumerate(raw.splitlines(), 1):
