@@ -29,7 +29,8 @@ def _blocks(tokenizer, path, region, count, block_size=128):
 
 
 def test_fit_calibrate_and_skip_layers_on_held_out_text(smollm2):
-    from ee_transformers import ExitStats, assets
+    from ee_transformers import ExitStats
+    from ee_transformers.tools import assets
     from ee_transformers.training.calibrate import CalibrationConfig, apply_calibration, calibrate
     from ee_transformers.training.fit_exit_heads import FitConfig, fit_exit_heads
 
