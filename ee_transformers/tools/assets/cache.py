@@ -7,9 +7,13 @@ import json
 import logging
 import os
 import shutil
+import re
 import subprocess
-import time
+import tempfile
 from pathlib import Path
+
+from ee_transformers.tools.arguments import InputError
+from ee_transformers.tools.outputs import clean_stale, process_alive, replace_folder
 
 logger = logging.getLogger(__name__)
 
@@ -23,9 +27,26 @@ def default_cache_dir() -> Path:
 
 
 def cache_folder(cache_dir: str | os.PathLike | None) -> Path:
+    """The cache folder, created if needed, without the build folders of killed fetches; `InputError` naming
+    `--cache-dir` when it cannot be one."""
     path = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    path.mkdir(parents=True, exist_ok=True)
+    if path.exists() and not path.is_dir():
+        raise InputError(f"`--cache-dir` {str(path)!r} is a file, not a folder.")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise InputError(f"`--cache-dir` {str(path)!r} cannot be created ({error.strerror or error}).") from None
+    for entry in path.iterdir():  # build folders are named .<what>-build-<pid>-<random>
+        match = re.fullmatch(r"\.\w+-build-(\d+)-\w+", entry.name)
+        if match and entry.is_dir() and not process_alive(int(match.group(1))):
+            shutil.rmtree(entry, ignore_errors=True)
     return path
+
+
+def build_folder(cache: Path, what: str) -> tempfile.TemporaryDirectory:
+    """A temporary folder in the cache to build `what` in, named after this process so a later fetch can tell it
+    was left by a killed one."""
+    return tempfile.TemporaryDirectory(prefix=f".{what}-build-{os.getpid()}-", dir=cache)
 
 
 def announce(enabled: bool, message: str) -> None:
@@ -42,19 +63,14 @@ def read_marker(folder: Path) -> dict | None:
 
 
 def install_folder(staging: Path, final: Path) -> None:
-    """Move a fully built ``staging`` folder to ``final``, replacing whatever was there."""
-    old = None
-    if final.exists():
-        old = final.with_name(f".{final.name}.old-{os.getpid()}-{time.time_ns()}")
-        os.replace(final, old)
-    try:
-        os.replace(staging, final)
-    except OSError:
-        if not final.exists():
-            raise
-        logger.info("%s was installed concurrently by another process; keeping that copy", final)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    """Puts the fully built ``staging`` folder at ``final`` in one atomic step, replacing whatever was there (the
+    output folders' own swap: ``ee_transformers.tools.outputs.replace_folder``)."""
+    replace_folder(staging, final)
+
+
+def restore_folder(final: Path) -> None:
+    """Before reading ``final``: repairs a swap that a killed fetch left half done (see ``outputs.clean_stale``)."""
+    clean_stale(final, "--cache-dir")
 
 
 def run_command(cmd: list[str], what: str, hint: str, cwd: Path | None = None) -> subprocess.CompletedProcess:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import sys
 
+from ee_transformers.tools.arguments import ArgumentParser, run_command
 from ee_transformers.tools.assets.cache import cache_folder
 from ee_transformers.tools.assets.model import fetch_model
 from ee_transformers.tools.assets.text import fetch_text
@@ -23,30 +23,34 @@ def fetch_assets(cache_dir: str | os.PathLike | None = None, force: bool = False
 
 def main(argv: list[str] | None = None) -> int:
     """``ee-transformers fetch-assets [--cache-dir DIR] [--force] [--model-only | --text-only]``."""
-    parser = argparse.ArgumentParser(prog="ee-transformers fetch-assets",
-                                     description="Fetch SmolLM2-135M-Instruct and real English text into a cache.")
+    parser = ArgumentParser(prog="ee-transformers fetch-assets",
+                            description="Fetch SmolLM2-135M-Instruct and real English text into a cache.")
     parser.add_argument("--cache-dir", default=None,
                         help="cache folder (default: $EE_TRANSFORMERS_CACHE or ~/.cache/ee-transformers)")
     parser.add_argument("--force", action="store_true", help="rebuild even if already cached")
     only = parser.add_mutually_exclusive_group()
     only.add_argument("--model-only", action="store_true", help="fetch only the model")
     only.add_argument("--text-only", action="store_true", help="fetch only the text")
-    args = parser.parse_args(argv)
+    return run_command(parser, _run, argv)
+
+
+def _run(args) -> int:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    cache = cache_folder(args.cache_dir)  # a bad --cache-dir: exit code 2, before any download
     try:
         if args.model_only:
-            print(fetch_model(args.cache_dir, force=args.force))
+            print(fetch_model(cache, force=args.force))
         elif args.text_only:
-            for group, paths in fetch_text(args.cache_dir, force=args.force).items():
+            for group, paths in fetch_text(cache, force=args.force).items():
                 print(group, *paths, sep="\n  ")
         else:
-            found = fetch_assets(args.cache_dir, force=args.force)
+            found = fetch_assets(cache, force=args.force)
             print(f"model: {found['model']}")
             for group in ("austen", "python"):
                 print(f"{group}:", *found[group], sep="\n  ")
-    except RuntimeError as error:
-        print(f"ee-transformers fetch-assets: error: {error}", file=sys.stderr)
+    except RuntimeError as error:  # a download or an external tool failed: one line, exit code 1
+        print(f"ee-transformers fetch-assets: error: {' '.join(str(error).split())}", file=sys.stderr)
         return 1
     return 0
 

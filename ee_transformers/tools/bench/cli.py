@@ -13,9 +13,13 @@ from pathlib import Path
 
 import torch
 
-from ee_transformers.tools.arguments import ArgumentParser, add_config_arguments, comma_list, config_from_args, run_command
+from ee_transformers.convert import check_weights, read_config
+from ee_transformers.tools.arguments import (ArgumentParser, InputError, add_config_arguments, comma_list,
+                                             config_from_args, run_command)
 from ee_transformers.tools.bench.config import QUICK, BenchConfig
-from ee_transformers.tools.bench.loading import heldout_prompts, load_models, random_prompts
+from ee_transformers.tools.bench.loading import default_text_files, heldout_prompts, load_models, random_prompts
+from ee_transformers.tools.outputs import OutputFolder
+from ee_transformers.training.data import read_texts
 from ee_transformers.tools.bench.report import format_table, write_outputs
 from ee_transformers.tools.bench.run import run_benchmark
 
@@ -39,7 +43,10 @@ def build_parser():
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (CPU)")
-    parser.add_argument("--out", default="bench-out", help="output folder for report.json, results.md, PNGs")
+    parser.add_argument("--out", default="bench-out", help="output folder for report.json, results.md, PNGs "
+                        "(written atomically)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out that ee-transformers "
+                        "wrote")
     add_config_arguments(parser, BenchConfig)
     return parser
 
@@ -49,9 +56,20 @@ def main(argv=None):
 
 
 def _run(args, argv):
+    # ---- every input checked before the benchmark starts ---------------------------------------------------------
+    output = OutputFolder(args.out, overwrite=args.overwrite)
     config = config_from_args(BenchConfig, args, defaults=QUICK if args.quick else None)
-    calibration_file = Path(args.model) / "calibration.json"
-    calibration = json.loads(calibration_file.read_text()) if calibration_file.is_file() else None
+    read_config(args.model, "--model")
+    check_weights(args.model, "--model")
+    if args.prompts_from:
+        read_texts(args.prompts_from, argument="--prompts-from")  # exist, UTF-8 text, not empty
+    elif any((Path(args.model) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        try:  # the default prompts: fetched (or found in the cache) now rather than after loading the model
+            default_text_files()
+        except RuntimeError as error:
+            raise InputError(f"`--prompts-from` not given, and the default held-out text cannot be fetched ({error}); "
+                             "pass --prompts-from FILE...") from None
+    calibration = _calibration(Path(args.model) / "calibration.json")
     if calibration is not None and config.calibrated == "auto":
         config = config.replace(calibrated="always")  # a calibrated folder: measure what it does, exits off or not
     if args.threads:
@@ -76,10 +94,25 @@ def _run(args, argv):
         report["model"]["calibration"] = {k: calibration.get(k) for k in ("criterion", "policy", "target_agreement",
                                                                           "chosen", "heldout_B", "message")}
     report["wall_seconds"] = time.perf_counter() - start
-    paths = write_outputs(report, args.out)
+    with output.writing("bench") as folder:
+        paths = write_outputs(report, folder)
     print(format_table(report))
-    print(f"[bench] wrote {', '.join(str(p) for p in paths.values())} ({report['wall_seconds']:.0f} s)")
+    print(f"[bench] wrote {', '.join(p.name for p in paths.values())} into {output.path} "
+          f"({report['wall_seconds']:.0f} s)")
     return 0
+
+
+def _calibration(path):
+    """The folder's calibration.json (a JSON object), or None when it has none."""
+    if not path.is_file():
+        return None
+    try:
+        calibration = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise InputError(f"{path} is not readable JSON ({error}).") from None
+    if not isinstance(calibration, dict):
+        raise InputError(f"{path} must hold a JSON object, not a JSON {type(calibration).__name__}.")
+    return calibration
 
 
 if __name__ == "__main__":

@@ -43,7 +43,8 @@ def load_models(path, exit_layers=None, exit_head=None, dtype=torch.float32, dev
     return ee, plain_twin(ee)
 
 
-def _default_text_files():
+def default_text_files():
+    """{domain: (path, region)}: the held-out regions of `assets.fetch_text()` (fetched once, then cached)."""
     from ee_transformers.tools import assets
 
     text = assets.fetch_text()
@@ -59,7 +60,7 @@ def heldout_prompts(tokenizer, files=None, num_prompts=16, window=64, seed=0):
     boundary. Returns a list of `{"domain": str, "ids": [int] * window}`.
     """
     if files is None:
-        sources = _default_text_files()
+        sources = default_text_files()
     else:
         sources = {Path(f).stem: (f, (0.0, 1.0)) for f in files}
     rng = random.Random(seed)
