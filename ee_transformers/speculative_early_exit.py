@@ -308,8 +308,8 @@ def prefill(model, input_ids, attention_mask, position_ids, cache):
     fam = model.family
     h = fam.embed(model, input_ids, position_ids)  # (B, P, D)
     inputs = fam.layer_inputs(model, h, attention_mask, cache, position_ids)
-    for j in range(model.config.num_hidden_layers):
-        with record_function("ee::layer"):
+    with record_function("ee::prefill"):
+        for j in range(model.config.num_hidden_layers):
             h = fam.run_layer(model, j, h, inputs, cache)
     with record_function("ee::final_head"):
         return fam.head_logits(model, fam.final_norm(model)(h[:, -1])).float()
@@ -322,8 +322,8 @@ def draft_step(model, exit_layer, tokens, batch, cache, i):
     position_ids = batch.position_ids(i, 1)
     h = fam.embed(model, tokens[:, None], position_ids)
     inputs = fam.layer_inputs(model, h, batch.attention_mask(i + 1), cache, position_ids)
-    for j in range(exit_layer + 1):
-        with record_function("ee::layer"):
+    with record_function("ee::draft_step"):  # one label per step, not per layer: a label costs ~10-25 us on a CPU
+        for j in range(exit_layer + 1):
             h = fam.run_layer(model, j, h, inputs, cache)
     return h
 
@@ -346,8 +346,8 @@ def verify(model, exit_layer, states, batch, cache):
     inputs = fam.layer_inputs(model, states, batch.attention_mask(states.shape[1]), cache, position_ids,
                               layer_idx=exit_layer + 1)  # masks sized from layer E+1's cache, which lacks the round
     h = states
-    for j in range(exit_layer + 1, model.config.num_hidden_layers):
-        with record_function("ee::layer"):
+    with record_function("ee::verify"):
+        for j in range(exit_layer + 1, model.config.num_hidden_layers):
             h = fam.run_layer(model, j, h, inputs, cache)
     with record_function("ee::final_head"):
         return fam.head_logits(model, fam.final_norm(model)(h)).float()
@@ -479,26 +479,26 @@ def speculative_generate(model, input_ids, logits_processor, stopping_criteria, 
         if capacity > 0:
             k = min(k, capacity - batch.slots.shape[1] - 1)
 
-        with record_function("ee::draft"):
-            token, states, drafts, q = batch.last_tokens(), [], [], []
-            drafting = active.clone()  # rows that still want drafts this round
-            for i in range(k + 1):
-                states.append(draft_step(model, exit_layer, token, batch, cache, i))
-                if i == k:
-                    break  # the last draft only needed its state for verification
-                draft_logits, learned = draft_head(model, settings, states[-1][:, -1])
-                draft_scores = batch.process(logits_processor, draft_logits[:, None], i)[:, 0]
-                probs = draft_scores.softmax(-1) if sample or (adaptive and learned is None) else None
-                token = torch.multinomial(probs, 1).squeeze(1) if sample else draft_scores.argmax(-1)
-                drafts.append(token)
-                if sample:
-                    q.append(probs)
-                batch.write_draft(i, token)
-                if adaptive:
-                    confidence = learned if learned is not None else probs.max(-1).values
-                    drafting &= (row_budget > i + 1) & (confidence >= settings.threshold)
-                    if not bool(drafting.any()):
-                        k = i + 1
+        # draft: up to k tokens; each fed token runs layers 0..E once, its state leaving E kept for verification
+        token, states, drafts, q = batch.last_tokens(), [], [], []
+        drafting = active.clone()  # rows that still want drafts this round
+        for i in range(k + 1):
+            states.append(draft_step(model, exit_layer, token, batch, cache, i))
+            if i == k:
+                break  # the last draft only needed its state for verification
+            draft_logits, learned = draft_head(model, settings, states[-1][:, -1])
+            draft_scores = batch.process(logits_processor, draft_logits[:, None], i)[:, 0]
+            probs = draft_scores.softmax(-1) if sample or (adaptive and learned is None) else None
+            token = torch.multinomial(probs, 1).squeeze(1) if sample else draft_scores.argmax(-1)
+            drafts.append(token)
+            if sample:
+                q.append(probs)
+            batch.write_draft(i, token)
+            if adaptive:
+                confidence = learned if learned is not None else probs.max(-1).values
+                drafting &= (row_budget > i + 1) & (confidence >= settings.threshold)
+                if not bool(drafting.any()):
+                    k = i + 1
 
         logits = verify(model, exit_layer, torch.cat(states, dim=1), batch, cache)  # (B, k+1, V)
         with record_function("ee::accept"):
