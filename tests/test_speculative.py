@@ -328,11 +328,19 @@ def test_bad_speculative_arguments(base_dirs, kwargs, match):
         model.generate(ids, attention_mask=mask, max_new_tokens=3, **kwargs)
 
 
-def test_sliding_window_attention_is_refused(tmp_path):
-    make_base("mistral", sliding_window=4).save_pretrained(tmp_path)
+@pytest.mark.parametrize("cache_implementation", [None, "static"])
+def test_sliding_window_attention_inside_the_window(tmp_path, cache_implementation):
+    # the window counts cache slots: it is held like a static cache of window - 1 slots, so gaps never push a token out
+    base = make_base("mistral", sliding_window=24)
+    base.save_pretrained(tmp_path)
     model = eet.from_base(tmp_path, exit_layers=[1]).eval()
-    with pytest.raises(ValueError, match="sliding-window"):
-        model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=3, assistant_early_exit=2)
+    ids, mask = padded_batch(batch=3)
+    kwargs = dict(max_new_tokens=17, cache_implementation=cache_implementation)  # 7 + 17 = the window
+    expected = base.generate(ids, attention_mask=mask, do_sample=False, **kwargs)
+    out = speculative(model, ids, mask, drafters=2, k=4, **kwargs, **NEVER_STOP)
+    assert torch.equal(out.sequences, expected)
+    with pytest.raises(ValueError, match="max_length.*sliding_window"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=18, assistant_early_exit=2)
 
 
 # --- the benchmark ---------------------------------------------------------------------------------------------------
