@@ -148,10 +148,11 @@ def measure_costs(model, batch_size, max_positions, prompt_length=64, context=96
         pieces[f"final_head_{q}"] = (lambda h=h: fam.head_logits(model, fam.final_norm(model)(h)), None)
     last = fam.embed(model, ids(1))[:, -1]
     pieces["draft_head"] = (lambda: model.exit_logits_from_hidden(0, last).float().softmax(-1).max(-1), None)
+    ms = _median_ms(pieces, device, max(repeats, config.num_hidden_layers))  # every layer at least once
     prompt = ids(prompt_length)
-    pieces["prefill"] = (lambda: fam.head_logits(model, fam.decoder(model)(
-        input_ids=prompt, cache=DynamicCache(config=config), use_cache=True).last_hidden_state[:, -1]), None)
-    ms = _median_ms(pieces, device, max(repeats, config.num_hidden_layers))
+    ms.update(_median_ms({"prefill": (lambda: fam.head_logits(model, fam.decoder(model)(
+        input_ids=prompt, cache=DynamicCache(config=config), use_cache=True).last_hidden_state[:, -1]), None)},
+        device, repeats=3, warmup=1))  # a whole forward: a few suffice
     return {"batch_size": batch_size, "context": context, "prompt_length": prompt_length,
             "layer": {q: ms[f"layer_{q}"] for q in range(1, max_positions + 1)},
             "final_head": {q: ms[f"final_head_{q}"] for q in range(1, max_positions + 1)},
@@ -267,18 +268,19 @@ def _compare(plain_run, runs, repeats, log):
 
 def run_benchmark(ee_model, plain_model, prompts, batch_sizes=(1, 8), exit_layers=None, ks=(2, 4), new_tokens=16,
                   threshold=0.4, forced_rates=(1.0, 0.6), transformers_baseline=True, heads=True, repeats=1,
-                  cost_repeats=15, log=print):
+                  cost_repeats=15, forced_exits=None, log=print):
     """The side-by-side run; returns the report (`format_table` prints it). heads=False: forced profiles only (for
-    random weights, whose heads decide nothing)."""
+    random weights, whose heads decide nothing); forced_exits: the exits of the forced profiles (default: all)."""
     plain_model.generation_config = copy.deepcopy(plain_model.generation_config)  # the twin shares ee's otherwise
     with _without_eos(ee_model, plain_model):
         return _run(ee_model, plain_model, prompts, batch_sizes, exit_layers, ks, new_tokens, threshold, forced_rates,
-                    transformers_baseline, heads, repeats, cost_repeats, log)
+                    transformers_baseline, heads, repeats, cost_repeats, forced_exits, log)
 
 
 def _run(ee_model, plain_model, prompts, batch_sizes, exit_layers, ks, new_tokens, threshold, forced_rates,
-         transformers_baseline, heads, repeats, cost_repeats, log):
+         transformers_baseline, heads, repeats, cost_repeats, forced_exits, log):
     exits = list(exit_layers or ee_model.config.exit_layers)
+    forced_exits = exits if forced_exits is None else list(forced_exits)
     num_layers = ee_model.config.num_hidden_layers
     results, costs = [], {}
     for batch_size in batch_sizes:
@@ -304,7 +306,7 @@ def _run(ee_model, plain_model, prompts, batch_sizes, exit_layers, ks, new_token
                 results.append(_result(config, batch_size, seconds, speedup, out, plain_out, cost, plain_ideal,
                                        num_layers, new_tokens))
 
-        for exit_layer in exits:  # forced acceptance: a copy per exit and rate, on the same pieces of compute
+        for exit_layer in forced_exits:  # forced acceptance: a copy per exit and rate, on the same pieces of compute
             for rate in forced_rates:
                 forced = forced_model(ee_model, exit_layer, rate).eval()
                 twin = plain_twin(forced)  # plain generate on the copy's very modules
@@ -322,7 +324,8 @@ def _run(ee_model, plain_model, prompts, batch_sizes, exit_layers, ks, new_token
                                            plain_ideal, num_layers, new_tokens))
                 del forced, twin
     report = {"settings": dict(batch_sizes=list(batch_sizes), exit_layers=exits, ks=list(ks), new_tokens=new_tokens,
-                               threshold=threshold, forced_rates=list(forced_rates), num_layers=num_layers,
+                               threshold=threshold, forced_rates=list(forced_rates), forced_exits=forced_exits,
+                               num_layers=num_layers,
                                prompt_tokens=len(prompts[0]["ids"]), threads=torch.get_num_threads(),
                                repeats=repeats),
               "costs": costs, "results": results}
@@ -425,6 +428,7 @@ def build_parser():
                         help="assistant_confidence_threshold for the real heads (transformers' default 0.4)")
     parser.add_argument("--forced", type=_float_list, default=[1.0, 0.6],
                         help="forced acceptance rates (pass-through copies); empty string for none")
+    parser.add_argument("--forced-exits", type=_int_list, default=None, help="exits of the forced profiles (default: all)")
     parser.add_argument("--no-transformers", action="store_true", help="skip transformers' own assistant_early_exit")
     parser.add_argument("--random-prompts", action="store_true", help="random token prompts (no text assets)")
     parser.add_argument("--threads", type=int, default=None)
@@ -438,13 +442,13 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     ee_model, plain_model = load_models(args.model, exit_layers=args.exit_layers)
     if args.random_prompts or ee_model.tokenizer is None:
-        prompts = random_prompts(ee_model.config.vocab_size, max(args.batch_sizes), args.prompt_tokens)
+        prompts = random_prompts(ee_model.config.vocab_size, max(8, *args.batch_sizes), args.prompt_tokens)
     else:
-        prompts = heldout_prompts(ee_model.tokenizer, num_prompts=max(args.batch_sizes), window=args.prompt_tokens)
+        prompts = heldout_prompts(ee_model.tokenizer, num_prompts=max(8, *args.batch_sizes), window=args.prompt_tokens)
     start = time.perf_counter()
     report = run_benchmark(ee_model, plain_model, prompts, args.batch_sizes, args.exits, args.ks, args.new_tokens,
                            args.threshold, args.forced, not args.no_transformers, repeats=args.repeats,
-                           log=lambda m: print(m, flush=True))
+                           forced_exits=args.forced_exits, log=lambda m: print(m, flush=True))
     report["command"] = "ee-transformers bench-speculative " + " ".join(sys.argv[1:] if argv is None else argv)
     report["model"] = str(args.model)
     report["wall_seconds"] = time.perf_counter() - start
