@@ -11,6 +11,14 @@ the early-exit class with exits disabled. Plain `LlamaForCausalLM.generate` runs
     python benchmarks/gpu_llama8b_forced.py                            # the full GPU run: batch 1, 8, 32, 64
     python benchmarks/gpu_llama8b_forced.py --batch-sizes 1,8 --new-tokens 64 --repeats 2   # a shorter one
     python benchmarks/gpu_llama8b_forced.py --tiny                     # CPU smoke run of the same code
+    python benchmarks/gpu_llama8b_forced.py --speculative only --batch-sizes 1,8,32   # self-speculative rows only
+
+Self-speculative decoding (`generate(assistant_early_exit=E + 1)`, lossless) gets its own rows (`--speculative`, on by
+default, written to `speculative.md` / `speculative.json`): forced acceptance only, as the heads are random: a copy of
+the model whose layers above E pass the residual through (still computed, at full cost) accepts every draft, and the
+same copy with the draft head turned wrong for 40% of its drafts accepts ~60%; for E in the exits and K = 2, 4, against
+plain generate, and at batch 1 against transformers' own `assistant_early_exit`, with realised / ideal under the cost
+model measured in the same run (`ee_transformers.tools.bench_speculative`). This has not been run on a GPU yet.
 
 Each batch size runs plain, c1, plain, c2, ... (13 configurations at batch > 1, 9 at batch 1) per repeat, so one
 batch size takes roughly 27 x repeats generate calls plus the cost model and profiles; where one command may only run
@@ -31,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run from a bare checkout, without installing the package
     sys.path.insert(0, str(ROOT))
 
-from ee_transformers.tools import bench  # noqa: E402
+from ee_transformers.tools import bench, bench_speculative  # noqa: E402
 from ee_transformers.tools.arguments import comma_list  # noqa: E402
 from ee_transformers.configuration_early_exit import EarlyExitLlamaConfig  # noqa: E402
 from ee_transformers.modeling_early_exit import EarlyExitLlamaForCausalLM  # noqa: E402
@@ -75,6 +83,8 @@ def main(argv=None):
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
                         help="default bfloat16 (tiny: float32)")
     parser.add_argument("--no-profile", action="store_true", help="skip the per-step time profiles")
+    parser.add_argument("--speculative", choices=["on", "off", "only"], default="on",
+                        help="self-speculative forced-acceptance rows after (on) or instead of (only) the early-exit ones")
     parser.add_argument("--out", default=None, help="output folder (default benchmarks/results/gpu_llama8b_forced, "
                                                     "tiny: benchmarks/results/gpu_llama8b_forced_tiny)")
     args = parser.parse_args(argv)
@@ -96,7 +106,7 @@ def main(argv=None):
           f"{time.perf_counter() - start:.0f} s", flush=True)
     prompts = bench.random_prompts(ee_model.config.vocab_size, max(batch_sizes), args.prompt_tokens)
     merged = None
-    for batch_size in batch_sizes:
+    for batch_size in batch_sizes if args.speculative != "only" else []:
         config = bench.BenchConfig(batch_sizes=[batch_size], max_batches=[1], new_tokens=new_tokens, repeats=repeats,
                                    main_repeats=repeats, calibrated="off", sweep=False, forced_grid=args.forced_grid,
                                    profile=not args.no_profile)
@@ -119,8 +129,35 @@ def main(argv=None):
         (out_dir / "report.json").write_text(json.dumps(bench.jsonable(merged), indent=1) + "\n")
         (out_dir / "results.md").write_text(bench.format_table(merged))
         print(f"[gpu-bench] batch {batch_size} done ({merged['wall_seconds']:.0f} s); wrote {out_dir}", flush=True)
-    print(bench.format_table(merged))
+    if merged is not None:
+        print(bench.format_table(merged))
+    if args.speculative != "off":
+        speculative(ee_model, plain_model, prompts, batch_sizes, new_tokens, out_dir, start, argv)
     return 0
+
+
+def speculative(ee_model, plain_model, prompts, batch_sizes, new_tokens, out_dir, start, argv):
+    """Self-speculative rows, one batch size at a time (each written as it finishes)."""
+    merged = None
+    for batch_size in batch_sizes:
+        report = bench_speculative.run_benchmark(ee_model, plain_model, prompts, [batch_size], ks=(2, 4),
+                                                 new_tokens=new_tokens, forced_rates=(1.0, 0.6), heads=False,
+                                                 log=lambda m: print(m, flush=True))
+        if merged is None:
+            merged = report
+            merged["command"] = "python benchmarks/gpu_llama8b_forced.py " + " ".join(
+                sys.argv[1:] if argv is None else argv)
+        else:
+            merged["settings"]["batch_sizes"].append(batch_size)
+            merged["costs"].update(report["costs"])
+            merged["results"] += report["results"]
+        merged["targets"] = bench_speculative.evaluate_targets(merged)
+        merged["wall_seconds"] = time.perf_counter() - start
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "speculative.json").write_text(json.dumps(merged, indent=1, default=str) + "\n")
+        (out_dir / "speculative.md").write_text(bench_speculative.format_table(merged))
+        print(f"[gpu-bench] speculative batch {batch_size} done ({merged['wall_seconds']:.0f} s)", flush=True)
+    print(bench_speculative.format_table(merged))
 
 
 if __name__ == "__main__":

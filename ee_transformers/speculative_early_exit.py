@@ -36,8 +36,9 @@ the cache is exactly plain generate's). Slots that some rows kept are gaps in th
 per-row mask over the cache slots, is the 2D attention mask of every later forward, and each row's position ids count
 its own kept slots only, so a gap is invisible to attention and to RoPE. Gaps cost attention width only; when the
 removable columns exceed a quarter of the cache, or a static cache would overflow, `RaggedBatch.compact` moves each
-row's kept slots to the right end in order (the usual left-padded layout) and drops the dead columns. Sliding-window
-layers (whose window is counted in slots) are refused.
+row's kept slots to the right end in order (the usual left-padded layout) and drops the dead columns. A sliding-window
+layer counts its window in slots, so it is treated like a static cache of `window - 1` slots (compaction keeps every
+slot inside the window; generations longer than the window are refused).
 
 Part of the Hub runtime: imports only torch, transformers and its siblings.
 """
@@ -129,9 +130,12 @@ def resolve_speculative_settings(model, generation_config) -> SpeculativeSetting
         if getattr(generation_config, name, False):
             raise ValueError(f"`{name}=True` is not available with `assistant_early_exit`: tokens are computed in "
                              "drafts and verification passes, not one forward per token.")
-    if any(model.family.layer_type(config, j) == "sliding_attention" for j in range(config.num_hidden_layers)):
-        raise ValueError("`assistant_early_exit` does not support sliding-window attention layers yet: rows of a batch "
-                         "keep gaps in the cache, and a window counted in cache slots would see the wrong tokens.")
+    sliding = any(model.family.layer_type(config, j) == "sliding_attention" for j in range(config.num_hidden_layers))
+    if sliding and generation_config.max_length > config.sliding_window:
+        raise ValueError(f"`assistant_early_exit` with sliding-window attention needs the whole generation inside the "
+                         f"window: `max_length`={generation_config.max_length} > `sliding_window`="
+                         f"{config.sliding_window} (rows of a batch keep gaps in the cache, and a window counted in "
+                         "cache slots would see other tokens than plain generate).")
     schedule = "heuristic" if schedule.startswith("heuristic") else schedule  # K never outlives the call here
     return SpeculativeSettings(value - 1, exits.index(value - 1), num_tokens, schedule, float(threshold))
 
@@ -308,8 +312,8 @@ def prefill(model, input_ids, attention_mask, position_ids, cache):
     fam = model.family
     h = fam.embed(model, input_ids, position_ids)  # (B, P, D)
     inputs = fam.layer_inputs(model, h, attention_mask, cache, position_ids)
-    for j in range(model.config.num_hidden_layers):
-        with record_function("ee::layer"):
+    with record_function("ee::prefill"):
+        for j in range(model.config.num_hidden_layers):
             h = fam.run_layer(model, j, h, inputs, cache)
     with record_function("ee::final_head"):
         return fam.head_logits(model, fam.final_norm(model)(h[:, -1])).float()
@@ -322,8 +326,8 @@ def draft_step(model, exit_layer, tokens, batch, cache, i):
     position_ids = batch.position_ids(i, 1)
     h = fam.embed(model, tokens[:, None], position_ids)
     inputs = fam.layer_inputs(model, h, batch.attention_mask(i + 1), cache, position_ids)
-    for j in range(exit_layer + 1):
-        with record_function("ee::layer"):
+    with record_function("ee::draft_step"):  # one label per step, not per layer: a label costs ~10-25 us on a CPU
+        for j in range(exit_layer + 1):
             h = fam.run_layer(model, j, h, inputs, cache)
     return h
 
@@ -346,8 +350,8 @@ def verify(model, exit_layer, states, batch, cache):
     inputs = fam.layer_inputs(model, states, batch.attention_mask(states.shape[1]), cache, position_ids,
                               layer_idx=exit_layer + 1)  # masks sized from layer E+1's cache, which lacks the round
     h = states
-    for j in range(exit_layer + 1, model.config.num_hidden_layers):
-        with record_function("ee::layer"):
+    with record_function("ee::verify"):
+        for j in range(exit_layer + 1, model.config.num_hidden_layers):
             h = fam.run_layer(model, j, h, inputs, cache)
     with record_function("ee::final_head"):
         return fam.head_logits(model, fam.final_norm(model)(h)).float()
@@ -389,7 +393,11 @@ class GenerateSpeculativeOutput(GenerateEarlyExitOutput):
     `exit_layers` is `num_hidden_layers - 1` for every token, -1 after a row's end), plus per row `(batch,)`:
     `draft_tokens` (drafts verified for the row), `accepted_tokens` (those it kept), `verify_rounds` (rounds it took
     part in); and `draft_lengths` `(rounds,)`: the drafts of each round (batch-wide). A round gives a row its accepted
-    drafts plus one token of the full model, unless a stop comes first."""
+    drafts plus one token of the full model, unless a stop comes first.
+
+    `scores` / `logits`: per generated token, the full model's processed / raw scores (zeros after a row's end, where
+    plain generate scores its pad tokens). `cache`: each row's tokens in the slot layout of the module docstring (at
+    batch > 1 with gaps between them); it is not meant for continuing a generation."""
 
     draft_tokens: torch.LongTensor | None = None
     accepted_tokens: torch.LongTensor | None = None
@@ -407,6 +415,14 @@ class GenerateSpeculativeOutput(GenerateEarlyExitOutput):
         return self.accepted_tokens.double() / self.verify_rounds.clamp_min(1).double()
 
 
+def _capacity(cache) -> int:
+    """The most slots every layer holds, and attends to, in order (-1: no limit): a static layer's size; a dynamic
+    sliding layer's window - 1 (beyond it, it would drop slots, and its mask hide them)."""
+    sizes = [layer.sliding_window - 1 if hasattr(layer, "sliding_window") else layer.get_max_length()
+             for layer in cache.layers]
+    return min([n for n in sizes if n > 0], default=-1)
+
+
 def _record(buffer, values, before, counts):
     """Writes `values[r, j]` `(B, q, V)` for the committed tokens j < counts[r] at step `before[r] + j`."""
     if buffer is None:
@@ -420,6 +436,9 @@ def speculative_generate(model, input_ids, logits_processor, stopping_criteria, 
     """The decoding loop of `generate(assistant_early_exit=...)` (passed as `custom_generate`): prefill at full depth,
     then rounds of draft, verify, accept, commit until every row has stopped."""
     settings = resolve_speculative_settings(model, generation_config)
+    if synced_gpus:
+        raise ValueError("`assistant_early_exit` does not support `synced_gpus`: rows finish after different numbers of "
+                         "rounds, which peers would have to match.")
     cache = model_kwargs.get("cache")
     if not model_kwargs.get("use_cache", True) or cache is None:
         raise ValueError("`assistant_early_exit` needs a KV cache: call generate with `use_cache=True`.")
@@ -470,7 +489,7 @@ def speculative_generate(model, input_ids, logits_processor, stopping_criteria, 
     draft_lengths = []
     row_budget = torch.full((size,), settings.num_tokens, dtype=torch.long, device=device)  # per-row K (heuristic)
     adaptive = settings.threshold > 0 or settings.schedule != "constant"
-    capacity = cache.get_max_length()  # static caches: slots available; dynamic: -1
+    capacity = _capacity(cache)
     while bool((active := batch.active).any()):
         room = int((max_length - batch.length)[active].max()) - 1  # drafts beyond it could never be committed
         k = min(int(row_budget[active].max()), room)
@@ -479,26 +498,26 @@ def speculative_generate(model, input_ids, logits_processor, stopping_criteria, 
         if capacity > 0:
             k = min(k, capacity - batch.slots.shape[1] - 1)
 
-        with record_function("ee::draft"):
-            token, states, drafts, q = batch.last_tokens(), [], [], []
-            drafting = active.clone()  # rows that still want drafts this round
-            for i in range(k + 1):
-                states.append(draft_step(model, exit_layer, token, batch, cache, i))
-                if i == k:
-                    break  # the last draft only needed its state for verification
-                draft_logits, learned = draft_head(model, settings, states[-1][:, -1])
-                draft_scores = batch.process(logits_processor, draft_logits[:, None], i)[:, 0]
-                probs = draft_scores.softmax(-1) if sample or (adaptive and learned is None) else None
-                token = torch.multinomial(probs, 1).squeeze(1) if sample else draft_scores.argmax(-1)
-                drafts.append(token)
-                if sample:
-                    q.append(probs)
-                batch.write_draft(i, token)
-                if adaptive:
-                    confidence = learned if learned is not None else probs.max(-1).values
-                    drafting &= (row_budget > i + 1) & (confidence >= settings.threshold)
-                    if not bool(drafting.any()):
-                        k = i + 1
+        # draft: up to k tokens; each fed token runs layers 0..E once, its state leaving E kept for verification
+        token, states, drafts, q = batch.last_tokens(), [], [], []
+        drafting = active.clone()  # rows that still want drafts this round
+        for i in range(k + 1):
+            states.append(draft_step(model, exit_layer, token, batch, cache, i))
+            if i == k:
+                break  # the last draft only needed its state for verification
+            draft_logits, learned = draft_head(model, settings, states[-1][:, -1])
+            draft_scores = batch.process(logits_processor, draft_logits[:, None], i)[:, 0]
+            probs = draft_scores.softmax(-1) if sample or (adaptive and learned is None) else None
+            token = torch.multinomial(probs, 1).squeeze(1) if sample else draft_scores.argmax(-1)
+            drafts.append(token)
+            if sample:
+                q.append(probs)
+            batch.write_draft(i, token)
+            if adaptive:
+                confidence = learned if learned is not None else probs.max(-1).values
+                drafting &= (row_budget > i + 1) & (confidence >= settings.threshold)
+                if not bool(drafting.any()):
+                    k = i + 1
 
         logits = verify(model, exit_layer, torch.cat(states, dim=1), batch, cache)  # (B, k+1, V)
         with record_function("ee::accept"):

@@ -7,6 +7,9 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 import ee_transformers as eet
 import ee_transformers.speculative_early_exit as spec
 from conftest import make_base, padded_batch
+from ee_transformers.tools import bench_speculative
+from ee_transformers.tools.bench import plain_twin, random_prompts
+from ee_transformers.tools.bench_speculative import pass_through_above  # a copy: layers above E add nothing
 from test_generate import Collect, ee_model
 
 LAYERS = 4  # tiny models: 4 decoder layers, exits after 0, 1, 2
@@ -37,20 +40,6 @@ class PositionCounter:
     def remove(self):
         for handle in self.handles:
             handle.remove()
-
-
-def pass_through_above(model, exit_layer):
-    """Layers above `exit_layer` add nothing to the residual stream (zero output projections) and that exit's head is
-    the final norm: the draft head then IS the full model, so every draft must be accepted."""
-    with torch.no_grad():
-        for j, layer in enumerate(model.family.layers(model)):
-            if j > exit_layer:
-                for module in (layer.self_attn.o_proj, layer.mlp.down_proj):
-                    for param in module.parameters():
-                        param.zero_()
-        index = model.config.exit_layers.index(exit_layer)
-        model.exit_heads[index].norm.weight.copy_(model.family.final_norm(model).weight)
-    return model
 
 
 # --- greedy: identical to full depth ----------------------------------------------------------------------------------
@@ -345,8 +334,45 @@ def test_bad_speculative_arguments(base_dirs, kwargs, match):
         model.generate(ids, attention_mask=mask, max_new_tokens=3, **kwargs)
 
 
-def test_sliding_window_attention_is_refused(tmp_path):
-    make_base("mistral", sliding_window=4).save_pretrained(tmp_path)
+@pytest.mark.parametrize("cache_implementation", [None, "static"])
+def test_sliding_window_attention_inside_the_window(tmp_path, cache_implementation):
+    # the window counts cache slots: it is held like a static cache of window - 1 slots, so gaps never push a token out
+    base = make_base("mistral", sliding_window=24)
+    base.save_pretrained(tmp_path)
     model = eet.from_base(tmp_path, exit_layers=[1]).eval()
-    with pytest.raises(ValueError, match="sliding-window"):
-        model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=3, assistant_early_exit=2)
+    ids, mask = padded_batch(batch=3)
+    kwargs = dict(max_new_tokens=17, cache_implementation=cache_implementation)  # 7 + 17 = the window
+    expected = base.generate(ids, attention_mask=mask, do_sample=False, **kwargs)
+    out = speculative(model, ids, mask, drafters=2, k=4, **kwargs, **NEVER_STOP)
+    assert torch.equal(out.sequences, expected)
+    with pytest.raises(ValueError, match="max_length.*sliding_window"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=18, assistant_early_exit=2)
+
+
+# --- the benchmark ---------------------------------------------------------------------------------------------------
+
+def test_cost_model_of_a_round():
+    costs = {"layer": {1: 1.0, 2: 1.5, 3: 2.0}, "final_head": {1: 3.0, 2: 3.5, 3: 4.0}, "draft_head": 3.0,
+             "prefill": 10.0}
+    # plain: the prefill, then L layer steps and the final head for each of the 6 tokens after the first
+    assert bench_speculative.ideal_ms(costs, num_layers=4, new_tokens=7) == 10 + 6 * (4 * 1.0 + 3.0)
+    # a round of k = 2 drafts at E = 1: 3 fed tokens x 2 layers, 2 draft heads, 2 layers and the head at 3 positions
+    per_round = 3 * 2 * 1.0 + 2 * 3.0 + 2 * 2.0 + 4.0
+    assert bench_speculative.ideal_ms(costs, 4, 7, exit_layer=1, draft_lengths=[2, 2]) == 10 + 2 * per_round
+
+
+def test_benchmark_runs_side_by_side_and_reports(base_dirs):
+    model = ee_model(base_dirs, "llama")
+    report = bench_speculative.run_benchmark(model, plain_twin(model), random_prompts(99, 2, 8), batch_sizes=[1, 2],
+                                             exit_layers=[1], ks=[2], new_tokens=6, forced_rates=[1.0, 0.5],
+                                             cost_repeats=2, log=lambda m: None)
+    rows = {(r["batch"], r["mode"], r["profile"]): r for r in report["results"]}
+    assert set(rows) == {(1, "ours", "heads"), (1, "transformers", "heads"), (1, "ours", "forced 1"),
+                         (1, "transformers", "forced 1"), (1, "ours", "forced 0.5"), (2, "ours", "heads"),
+                         (2, "ours", "forced 1"), (2, "ours", "forced 0.5")}
+    assert all(r["identical"] for r in report["results"])
+    assert rows[(2, "ours", "forced 1")]["acceptance"] == 1.0 and rows[(1, "ours", "forced 0.5")]["acceptance"] < 1
+    assert all(r["ideal_speedup"] > 0 for r in report["results"] if r["mode"] == "ours")
+    assert model.generation_config.eos_token_id == 98  # the run's EOS switch-off is undone
+    table = bench_speculative.format_table(report)
+    assert "| 2 | ours | forced 1 | 1 | 2 | 1.00 |" in table and "realised / ideal >= 0.9" in table
