@@ -282,8 +282,14 @@ class EarlyExitMixin(ExitHeadsMixin):
         `early_exit_generate`, passed to transformers as `custom_generate`. With `return_dict_in_generate=True` the
         output also has `exit_layers` `(batch, new_tokens)`.
         """
-        settings = resolve_exit_settings(self.config, merged_exit_values(self, generation_config, kwargs))
+        values = merged_exit_values(self, generation_config, kwargs)
+        settings = resolve_exit_settings(self.config, values)
         if settings is None and is_lean(self):  # lean, no exit settings: every token exits at exit_max_layer
+            if values["early_exit"] is False:
+                raise ValueError(f"`early_exit=False` asks for full depth, but this model holds decoder layers "
+                                 f"0..{self.exit_max_layer} only; load the rest with `model.set_exit_max_layer("
+                                 f"{self.config.num_hidden_layers - 1})`, or leave exit settings out to exit every "
+                                 "token at `exit_max_layer`.")
             settings = ExitSettings(criterion=EXIT_CRITERIA["max_prob"], thresholds={})
         if settings is None:
             eos = kwargs.get("eos_token_id", getattr(generation_config or self.generation_config, "eos_token_id", None))

@@ -235,6 +235,8 @@ def test_set_exit_max_layer_sheds_and_reloads_exactly(base_dirs):
         model.save_pretrained(folder / "never")
     with pytest.raises(RuntimeError, match="not loaded"):  # the plain forward would need layer 3
         model(ids, attention_mask=mask)
+    with pytest.raises(ValueError, match="early_exit=False"):  # full depth is not there to give
+        model.generate(ids, early_exit=False, **kwargs)
     model.set_exit_max_layer(3)  # read back from the folder
     assert model.get_memory_footprint() == footprint
     assert torch.equal(model.generate(ids, **kwargs), before)
@@ -447,6 +449,8 @@ def test_profile_histogram_sums_to_the_decided_tokens_and_writes_next_to_the_mod
         assert all(profile.coverage[d] < target for d in profile.depths if d < depth)
     assert profile.recommend(1.0) <= 3
     assert ExitProfile.load(folder) == profile  # written next to the model
+    first = profile_exits(model, model.tokenizer, texts, window=8, max_tokens=9, write=False, progress=False)
+    assert first.num_tokens == 16  # the first windows holding at least 9 tokens: 8 + 8
     assert (folder / "exit_profile.png").stat().st_size > 0
     with pytest.raises(ValueError, match="coverage"):
         profile.recommend(1.5)

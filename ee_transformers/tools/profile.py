@@ -148,9 +148,10 @@ def profile_exits(model, tokenizer, texts, batch_size: int = 8, window: int = 25
                   out_dir=None, write: bool = True, progress: bool = True, **exit_settings) -> ExitProfile:
     """Profiles the model's stored exit settings (or the given `exit_criterion=...`, ...) over `texts`, teacher-forced.
 
-    Writes `exit_profile.json` and `exit_profile.png` to `out_dir` (default: the folder the model was loaded from,
-    when it is a local folder) unless `write=False`. The model must hold every layer (a lean model cannot tell what
-    its shed layers would decide).
+    `window`: tokens per teacher-forced window; `max_tokens`: profile only the first windows that hold at least that
+    many tokens. Writes `exit_profile.json` and `exit_profile.png` to `out_dir` (default: the folder the model was
+    loaded from, when it is a local folder) unless `write=False`. The model must hold every layer (a lean model
+    cannot tell what its shed layers would decide).
     """
     unknown = sorted(set(exit_settings) - set(EXIT_FIELDS))
     if unknown:
@@ -165,7 +166,12 @@ def profile_exits(model, tokenizer, texts, batch_size: int = 8, window: int = 25
     settings = dataclasses.replace(settings, policy="row")  # each token decides for itself
     if isinstance(texts, str):
         texts = [texts]
-    windows = list(_windows(tokenizer, texts, window))
+    windows, total = [], 0
+    for ids in _windows(tokenizer, texts, window):
+        if max_tokens is not None and total >= max_tokens:
+            break
+        windows.append(ids)
+        total += len(ids)
     if not windows:
         raise ValueError("`texts` hold no window of at least 2 tokens to profile.")
     counts = torch.zeros(model.config.num_hidden_layers, dtype=torch.long)
@@ -175,7 +181,6 @@ def profile_exits(model, tokenizer, texts, batch_size: int = 8, window: int = 25
         from tqdm.auto import tqdm
 
         batches = tqdm(batches, desc="profiling exits", unit="batch")
-    seen = 0
     for b in batches:
         rows = windows[b:b + batch_size]
         length = max(map(len, rows))
@@ -187,9 +192,6 @@ def profile_exits(model, tokenizer, texts, batch_size: int = 8, window: int = 25
         valid = mask.bool().flatten().to(device)
         hidden = [h.flatten(0, 1)[valid] for h in out.hidden_states]
         counts += torch.bincount(decide_positions(model, settings, hidden).cpu(), minlength=len(counts))
-        seen += int(valid.sum())
-        if max_tokens is not None and seen >= max_tokens:
-            break
     profile = ExitProfile(num_layers=model.config.num_hidden_layers, exit_layers=list(model.config.exit_layers),
                           histogram={j: int(c) for j, c in enumerate(counts.tolist()) if c},
                           settings=_json_settings(settings), texts=len(texts), window=window)
@@ -251,7 +253,8 @@ def main(argv=None):
     parser.add_argument("--exit-patience", type=int, default=None)
     parser.add_argument("--window", type=int, default=256, help="tokens per teacher-forced window")
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=None, help="stop after this many profiled tokens")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="profile the first windows that hold at least this many tokens")
     parser.add_argument("--coverage", type=float, default=0.95, help="target share for the recommendation")
     parser.add_argument("--out", default=None, help="where to write exit_profile.json/.png (default: the folder)")
     args = parser.parse_args(argv)
