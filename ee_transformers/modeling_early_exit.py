@@ -156,7 +156,8 @@ class EarlyExitMixin(ExitHeadsMixin):
         """`from_pretrained` of the family class. Exit architecture fields (`exit_layers=...`) and exit settings
         (`exit_criterion=...`, validated here before any weight is read) may be passed as keyword arguments; the
         settings become the model's generation defaults. Exit heads missing from the checkpoint start from its final
-        norm and are reported once by name."""
+        norm and are reported once by name. `exit_max_layer=E` (an exit layer, or the last layer) builds and loads
+        decoder layers 0..E only: the others are never read (lean_early_exit.py)."""
         settings = {name: kwargs.pop(name) for name in EXIT_ARGUMENTS if name in kwargs}
         for name, value in settings.items():
             check_exit_argument(name, value)

@@ -8,7 +8,7 @@ the profiled depth ("lean": layers 0..E resident, greedy exits at E). For each, 
    live storages) at batch 1 and 2, which gives bytes per row and a fixed part;
 2. the largest batch whose weights + that peak fit the budget, then the peak measured again at that batch;
 3. throughput: each model at its own largest batch, runs interleaved (full, lean, lean, full, ...; a warm-up at
-   batch 2 first), generated
+   batch 2 first), and lean at full's batch (what depth alone gives), generated
    tokens per second end to end (prefill included: both run their own prompts' prefill);
 4. quality against full depth (the plain full-depth greedy tokens of held-out prompts): agreement and tokens until
    the first divergence, for full, lean, and lean with the quality guard on, whose deepening events are counted.
@@ -303,12 +303,16 @@ def main(argv=None):
             measured[name] = memory[name]["weights"] + meter.peak
         log(f"[bench-lean] budget {budget / 2**20:.0f} MiB: batch full {batch['full']}, lean {batch['lean']}; "
             f"measured totals {measured['full'] / 2**20:.0f} / {measured['lean'] / 2**20:.0f} MiB")
-        runs = {"full": (full, batch["full"], exit_kwargs), "lean": (lean, batch["lean"], exit_kwargs)}
+        # lean at full's batch too: its ratio to full is what depth alone gives, the rest is the larger batch
+        runs = {"full": (full, batch["full"], exit_kwargs), "lean": (lean, batch["lean"], exit_kwargs),
+                "lean at full's batch": (lean, batch["full"], exit_kwargs)}
         speed = interleaved_throughput(runs, prompts, new_tokens, args.repeats, log)
         ratios = [lv / fv for lv, fv in zip(speed["lean"], speed["full"])]
+        same_batch = [lv / fv for lv, fv in zip(speed["lean at full's batch"], speed["full"])]
         row.update(measured_total=measured, tokens_per_s={n: statistics.median(v) for n, v in speed.items()},
                    tokens_per_s_runs=speed, batch_ratio=batch["lean"] / batch["full"],
-                   throughput_ratio=statistics.median(ratios), throughput_ratio_runs=ratios)
+                   throughput_ratio=statistics.median(ratios), throughput_ratio_runs=ratios,
+                   same_batch_ratio=statistics.median(same_batch))
         budgets.append(row)
 
     report = {"command": "python -m ee_transformers.tools.bench_lean " + " ".join(sys.argv[1:] if argv is None
@@ -342,17 +346,25 @@ def format_table(report) -> str:
         lines.append(f"| {name} | {mem['weights'] / mib:.1f} | {mem['kv_bytes_per_token'] / 1024:.1f} | "
                      f"{mem['per_row'] / mib:.2f} | {q[name]['agreement']:.3f} | {q[name]['first_divergence']:.1f} | "
                      f"{q[name]['greedy_rate']:.3f} | {q[name]['deepenings_per_1k_tokens']:.1f} |")
+    if report.get("profile") and report["profile"].get("agreement"):
+        agreement, e = report["profile"]["agreement"], str(report["exit_max_layer"])
+        lines += ["", f"Teacher-forced on the profile's text: the early-exit model agrees with full depth on "
+                      f"{agreement[str(report['num_layers'] - 1)]:.3f} of tokens, a lean one at {e} on "
+                      f"{agreement[e]:.3f} (its greedy exits); the profile covers "
+                      f"{report['profile']['coverage'][e]:.3f} of decisions at {e}."]
     lines += ["", "| budget MiB | batch full | batch lean | batch ratio | tok/s full | tok/s lean | throughput ratio "
-              "[runs] | measured MiB full / lean |", "|---|---|---|---|---|---|---|---|"]
+              "[runs] | lean at full's batch / full | measured MiB full / lean |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for b in report["budgets"]:
         if "note" in b:
             lines.append(f"| {b['budget'] / mib:.0f} | {b['batch']['full']} | {b['batch']['lean']} | - | - | - | - | "
-                         f"{b['note']} |")
+                         f"- | {b['note']} |")
             continue
         runs = ", ".join(f"{r:.2f}" for r in b["throughput_ratio_runs"])
         lines.append(f"| {b['budget'] / mib:.0f} | {b['batch']['full']} | {b['batch']['lean']} | "
                      f"{b['batch_ratio']:.2f}x | {b['tokens_per_s']['full']:.1f} | {b['tokens_per_s']['lean']:.1f} | "
-                     f"{b['throughput_ratio']:.2f}x [{runs}] | {b['measured_total']['full'] / mib:.0f} / "
+                     f"{b['throughput_ratio']:.2f}x [{runs}] | {b['same_batch_ratio']:.2f}x | "
+                     f"{b['measured_total']['full'] / mib:.0f} / "
                      f"{b['measured_total']['lean'] / mib:.0f} |")
     return "\n".join(lines) + "\n"
 
