@@ -11,6 +11,8 @@ the early-exit class with exits disabled. Plain `LlamaForCausalLM.generate` runs
     python benchmarks/gpu_llama8b_forced.py                            # the full GPU run: batch 1, 8, 32, 64
     python benchmarks/gpu_llama8b_forced.py --batch-sizes 1,8 --new-tokens 64 --repeats 2   # a shorter one
     python benchmarks/gpu_llama8b_forced.py --tiny                     # CPU smoke run of the same code
+    python benchmarks/gpu_llama8b_forced.py --lean-only                # HELIOS row: lean (layers 0..23) vs full
+                                                                       # at a 40 GiB budget, context 1024
     python benchmarks/gpu_llama8b_forced.py --speculative only --batch-sizes 1,8,32   # self-speculative rows only
 
 Self-speculative decoding (`generate(assistant_early_exit=E + 1)`, lossless) gets its own rows (`--speculative`, on by
@@ -71,6 +73,30 @@ def build_model(fields, exit_layers, dtype, device, seed=0):
     return model, bench.plain_twin(model)
 
 
+def lean_row(fields, exits, dtype, device, prompts, exit_max_layer, budget, context, prompt_tokens, repeats):
+    """HELIOS's trade at this shape: the full model (plain full depth, every layer resident) against a lean one holding
+    layers 0..exit_max_layer (every token exits there greedily; random weights decide nothing, so no criterion), each
+    at its largest batch whose weights + measured generate peak (K/V, activations) fit `budget` bytes, interleaved."""
+    from ee_transformers.tools import bench_lean
+
+    full, _ = build_model(fields, exits, dtype, device)
+    lean, _ = build_model(fields, exits, dtype, device)  # same seed: the same weights
+    lean.set_exit_max_layer(exit_max_layer)  # sheds the layers above it (their memory is freed)
+    ids = [p["ids"][:prompt_tokens] for p in prompts]
+    new_tokens = context - prompt_tokens
+    memory = {name: bench_lean.measure_memory(m, ids, new_tokens, {"early_exit": False} if name == "full" else {})
+              for name, m in (("full", full), ("lean", lean))}
+    batch = {name: bench_lean.fit_batch(m, budget) for name, m in memory.items()}
+    row = {"exit_max_layer": exit_max_layer, "budget": budget, "context": context, "memory": memory, "batch": batch}
+    if min(batch.values()) > 0:
+        runs = {"full": (full, batch["full"], {"early_exit": False}), "lean": (lean, batch["lean"], {})}
+        speed = bench_lean.interleaved_throughput(runs, ids, new_tokens, repeats, log=lambda m: print(m, flush=True))
+        row.update(tokens_per_s=speed, batch_ratio=batch["lean"] / batch["full"],
+                   throughput_ratio=sorted(lv / fv for lv, fv in zip(speed["lean"], speed["full"]))[repeats // 2])
+    del full, lean
+    return row
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="small config on CPU in fp32: a smoke run of this script")
@@ -85,6 +111,12 @@ def main(argv=None):
     parser.add_argument("--no-profile", action="store_true", help="skip the per-step time profiles")
     parser.add_argument("--speculative", choices=["on", "off", "only"], default="on",
                         help="self-speculative forced-acceptance rows after (on) or instead of (only) the early-exit ones")
+    parser.add_argument("--lean-max-layer", type=int, default=None,
+                        help="also run the lean row (HELIOS): layers 0..this resident (default 23, tiny: 5)")
+    parser.add_argument("--lean-budget-gb", type=float, default=None,
+                        help="memory budget of the lean row, GiB (default 40, tiny: 0.003)")
+    parser.add_argument("--lean-context", type=int, default=None, help="tokens per sequence (default 1024, tiny: 64)")
+    parser.add_argument("--lean-only", action="store_true", help="run only the lean row")
     parser.add_argument("--out", default=None, help="output folder (default benchmarks/results/gpu_llama8b_forced, "
                                                     "tiny: benchmarks/results/gpu_llama8b_forced_tiny)")
     args = parser.parse_args(argv)
@@ -106,6 +138,19 @@ def main(argv=None):
           f"{time.perf_counter() - start:.0f} s", flush=True)
     prompts = bench.random_prompts(ee_model.config.vocab_size, max(batch_sizes), args.prompt_tokens)
     merged = None
+    if args.lean_only or args.lean_max_layer is not None:
+        del ee_model, plain_model  # the lean row builds its own pair
+        row = lean_row(fields, exits, dtype, device, prompts, args.lean_max_layer or (5 if tiny else 23),
+                       int((args.lean_budget_gb or (0.003 if tiny else 40.0)) * 2 ** 30),
+                       args.lean_context or (64 if tiny else 1024), min(args.prompt_tokens, 32 if tiny else 64),
+                       repeats)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "lean.json").write_text(json.dumps(row, indent=1, default=str) + "\n")
+        print(f"[gpu-bench] lean row: batch {row['batch']}, throughput ratio {row.get('throughput_ratio')}; wrote "
+              f"{out_dir / 'lean.json'}", flush=True)
+        if args.lean_only:
+            return 0
+        ee_model, plain_model = build_model(fields, exits, dtype, device)
     for batch_size in batch_sizes if args.speculative != "only" else []:
         config = bench.BenchConfig(batch_sizes=[batch_size], max_batches=[1], new_tokens=new_tokens, repeats=repeats,
                                    main_repeats=repeats, calibrated="off", sweep=False, forced_grid=args.forced_grid,

@@ -606,8 +606,8 @@ def early_exit_generate(model, input_ids, logits_processor, stopping_criteria, g
         if guard is not None and guard.update(greedy[unfinished.bool()]):  # lean quality guard: load deeper layers
             old = loaded_depth(model) - 1
             deepenings.append((len(step_exit_layers), old, deepen(model, cache, model_kwargs.get("attention_mask"))))
-            guard = BreachGuard(exit_settings.breach_limit, exit_settings.breach_window) if keeps_exit_states(
-                model, exit_settings) else None
+            guard.reset()  # the new depth is judged on its own tokens
+            guard = guard if keeps_exit_states(model, exit_settings) else None  # at full depth: nothing left to load
 
         input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
         if exit_streamer is not None:

@@ -185,7 +185,8 @@ class EarlyExitMixin(ExitHeadsMixin):
         """`from_pretrained` of the family class. Exit architecture fields (`exit_layers=...`) and exit settings
         (`exit_criterion=...`, validated here before any weight is read) may be passed as keyword arguments; the
         settings become the model's generation defaults. Exit heads missing from the checkpoint start from its final
-        norm and are reported once by name."""
+        norm and are reported once by name. `exit_max_layer=E` (an exit layer, or the last layer) builds and loads
+        decoder layers 0..E only: the others are never read (lean_early_exit.py)."""
         settings = {name: kwargs.pop(name) for name in EXIT_ARGUMENTS if name in kwargs}
         for name, value in settings.items():
             check_exit_argument(name, value)
@@ -319,10 +320,20 @@ class EarlyExitMixin(ExitHeadsMixin):
         `assistant_confidence_threshold` as in transformers.
         """
         if speculation_requested(self, generation_config, kwargs):
+            if is_lean(self):
+                raise ValueError(f"`assistant_early_exit` verifies with every layer above the draft exit, but this model "
+                                 f"holds decoder layers 0..{self.exit_max_layer} only; load them with "
+                                 f"`model.set_exit_max_layer({self.config.num_hidden_layers - 1})` first.")
             return super().generate(inputs, generation_config=generation_config, custom_generate=speculative_generate,
                                     spec_streamer=kwargs.pop("streamer", None), **kwargs)
-        settings = resolve_exit_settings(self.config, merged_exit_values(self, generation_config, kwargs))
+        values = merged_exit_values(self, generation_config, kwargs)
+        settings = resolve_exit_settings(self.config, values)
         if settings is None and is_lean(self):  # lean, no exit settings: every token exits at exit_max_layer
+            if values["early_exit"] is False:
+                raise ValueError(f"`early_exit=False` asks for full depth, but this model holds decoder layers "
+                                 f"0..{self.exit_max_layer} only; load the rest with `model.set_exit_max_layer("
+                                 f"{self.config.num_hidden_layers - 1})`, or leave exit settings out to exit every "
+                                 "token at `exit_max_layer`.")
             settings = ExitSettings(criterion=EXIT_CRITERIA["max_prob"], thresholds={})
         if settings is None:
             eos = kwargs.get("eos_token_id", getattr(generation_config or self.generation_config, "eos_token_id", None))

@@ -236,6 +236,8 @@ def test_set_exit_max_layer_sheds_and_reloads_exactly(base_dirs):
         model.save_pretrained(folder / "never")
     with pytest.raises(RuntimeError, match="not loaded"):  # the plain forward would need layer 3
         model(ids, attention_mask=mask)
+    with pytest.raises(ValueError, match="early_exit=False"):  # full depth is not there to give
+        model.generate(ids, early_exit=False, **kwargs)
     model.set_exit_max_layer(3)  # read back from the folder
     assert model.get_memory_footprint() == footprint
     assert torch.equal(model.generate(ids, **kwargs), before)
@@ -447,7 +449,10 @@ def test_profile_histogram_sums_to_the_decided_tokens_and_writes_next_to_the_mod
         assert profile.coverage[depth] >= target - 1e-9
         assert all(profile.coverage[d] < target for d in profile.depths if d < depth)
     assert profile.recommend(1.0) <= 3
+    assert all(0 <= a <= 1 for a in profile.agreement.values()) and set(profile.agreement) == set(profile.depths)
     assert ExitProfile.load(folder) == profile  # written next to the model
+    first = profile_exits(model, model.tokenizer, texts, window=8, max_tokens=9, write=False, progress=False)
+    assert first.num_tokens == 16  # the first windows holding at least 9 tokens: 8 + 8
     assert (folder / "exit_profile.png").stat().st_size > 0
     with pytest.raises(ValueError, match="coverage"):
         profile.recommend(1.5)
@@ -499,3 +504,21 @@ def test_measured_memory_and_the_largest_batch_that_fits(base_dirs):
     assert fit_batch(memory["full"], budget) == 10
     assert fit_batch(memory["lean"], budget) > 10
     assert fit_batch(memory["full"], memory["full"]["weights"]) == 0
+
+
+def test_profile_agreement_is_each_depth_cut_against_full_depth(base_dirs):
+    from ee_transformers.tools.profile import profile_exits
+    from test_model import _tiny_tokenizer
+
+    model = perturb_heads(eet.from_base(base_dirs["qwen2"][0], exit_layers=EXITS))
+    texts = _texts([40, 25], seed=5)
+    # nothing exits: the last layer agrees with itself, a lean model at exit e is the base model cut at e + its head
+    profile = profile_exits(model, _tiny_tokenizer(), texts, window=16, progress=False, write=False, **NEVER)
+    assert profile.histogram == {3: 65} and profile.agreement[3] == 1.0
+    ids = _tiny_tokenizer()(texts, add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        outs = [model(torch.tensor([w[s:s + 16]]), output_exit_logits=True) for w in ids for s in range(0, len(w), 16)]
+    full = torch.cat([o.logits[0].argmax(-1) for o in outs])
+    for i, e in enumerate(EXITS):
+        cut = torch.cat([o.exit_logits[i][0].argmax(-1) for o in outs])
+        assert profile.agreement[e] == pytest.approx(float((cut == full).double().mean()))

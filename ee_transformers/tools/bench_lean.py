@@ -8,7 +8,7 @@ the profiled depth ("lean": layers 0..E resident, greedy exits at E). For each, 
    live storages) at batch 1 and 2, which gives bytes per row and a fixed part;
 2. the largest batch whose weights + that peak fit the budget, then the peak measured again at that batch;
 3. throughput: each model at its own largest batch, runs interleaved (full, lean, lean, full, ...; a warm-up at
-   batch 2 first), generated
+   batch 2 first), and lean at full's batch (what depth alone gives), generated
    tokens per second end to end (prefill included: both run their own prompts' prefill);
 4. quality against full depth (the plain full-depth greedy tokens of held-out prompts): agreement and tokens until
    the first divergence, for full, lean, and lean with the quality guard on, whose deepening events are counted.
@@ -33,7 +33,8 @@ from torch.utils._pytree import tree_flatten
 from ee_transformers.generation_early_exit import ExitStats
 from ee_transformers.lean_early_exit import kv_bytes_per_token, resident_parameter_bytes
 
-__all__ = ["PeakMemory", "fit_batch", "main", "measure_memory", "parse_bytes"]
+__all__ = ["PeakMemory", "fit_batch", "format_table", "interleaved_throughput", "main", "measure_memory",
+           "parse_bytes"]
 
 
 def parse_bytes(text) -> int:
@@ -75,6 +76,11 @@ class PeakMemory(TorchDispatchMode):
     def _free(self, key, size):
         self._seen.discard(key)
         self.live -= size
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _generation_config(model, new_tokens):
@@ -154,8 +160,9 @@ def _quality(model, reference, prompts, new_tokens, exit_kwargs, batch_size, res
             "deepenings_per_1k_tokens": 1000 * deepenings / tokens, "tokens": tokens}
 
 
-def _throughput(models, prompts, new_tokens, repeats, log):
-    """Interleaved runs, each model at its own batch: {name: [generated tokens / s]}; the order flips per repeat."""
+def interleaved_throughput(models, prompts, new_tokens, repeats, log=print):
+    """`models`: {name: (model, batch size, exit kwargs)}. Runs them interleaved, each at its own batch, the order
+    flipping every repeat: {name: [generated tokens / s per run]}, end to end (prefill included)."""
     names, out = list(models), {name: [] for name in models}
     for name in names:  # warm-up at batch 2, not counted
         model, _, exit_kwargs = models[name]
@@ -163,8 +170,10 @@ def _throughput(models, prompts, new_tokens, repeats, log):
     for r in range(repeats):
         for name in (names if r % 2 == 0 else names[::-1]):
             model, batch_size, exit_kwargs = models[name]
+            _sync(model.device)
             start = time.perf_counter()
             _generate(model, prompts, batch_size, new_tokens, exit_kwargs, offset=r)
+            _sync(model.device)
             seconds = time.perf_counter() - start
             out[name].append(batch_size * new_tokens / seconds)
             log(f"[bench-lean] repeat {r + 1} {name} batch {batch_size}: {out[name][-1]:.1f} tok/s ({seconds:.1f} s)")
@@ -245,6 +254,10 @@ def main(argv=None):
                                 max_tokens=args.profile_tokens, write=False, **exit_kwargs)
         log(f"[bench-lean] profile: {profile}")
     depth = args.exit_max_layer if args.exit_max_layer is not None else profile.recommend(args.coverage)
+    if depth == last:
+        log(f"[bench-lean] the profile needs every layer for {100 * args.coverage:g}% coverage (exit_max_layer "
+            f"{last}): the lean model is the full model, nothing to compare. Lower --coverage or pass --exit-max-layer.")
+        return 0
     lean = from_base(args.model, exit_layers=exit_layers, dtype=torch.float32, exit_max_layer=depth).eval()
     log(f"[bench-lean] lean model: layers 0..{depth} of 0..{last} resident")
 
@@ -290,12 +303,16 @@ def main(argv=None):
             measured[name] = memory[name]["weights"] + meter.peak
         log(f"[bench-lean] budget {budget / 2**20:.0f} MiB: batch full {batch['full']}, lean {batch['lean']}; "
             f"measured totals {measured['full'] / 2**20:.0f} / {measured['lean'] / 2**20:.0f} MiB")
-        speed = _throughput({"full": (full, batch["full"], exit_kwargs), "lean": (lean, batch["lean"], exit_kwargs)},
-                            prompts, new_tokens, args.repeats, log)
+        # lean at full's batch too: its ratio to full is what depth alone gives, the rest is the larger batch
+        runs = {"full": (full, batch["full"], exit_kwargs), "lean": (lean, batch["lean"], exit_kwargs),
+                "lean at full's batch": (lean, batch["full"], exit_kwargs)}
+        speed = interleaved_throughput(runs, prompts, new_tokens, args.repeats, log)
         ratios = [lv / fv for lv, fv in zip(speed["lean"], speed["full"])]
+        same_batch = [lv / fv for lv, fv in zip(speed["lean at full's batch"], speed["full"])]
         row.update(measured_total=measured, tokens_per_s={n: statistics.median(v) for n, v in speed.items()},
                    tokens_per_s_runs=speed, batch_ratio=batch["lean"] / batch["full"],
-                   throughput_ratio=statistics.median(ratios), throughput_ratio_runs=ratios)
+                   throughput_ratio=statistics.median(ratios), throughput_ratio_runs=ratios,
+                   same_batch_ratio=statistics.median(same_batch))
         budgets.append(row)
 
     report = {"command": "python -m ee_transformers.tools.bench_lean " + " ".join(sys.argv[1:] if argv is None
@@ -329,17 +346,25 @@ def format_table(report) -> str:
         lines.append(f"| {name} | {mem['weights'] / mib:.1f} | {mem['kv_bytes_per_token'] / 1024:.1f} | "
                      f"{mem['per_row'] / mib:.2f} | {q[name]['agreement']:.3f} | {q[name]['first_divergence']:.1f} | "
                      f"{q[name]['greedy_rate']:.3f} | {q[name]['deepenings_per_1k_tokens']:.1f} |")
+    if report.get("profile") and report["profile"].get("agreement"):
+        agreement, e = report["profile"]["agreement"], str(report["exit_max_layer"])
+        lines += ["", f"Teacher-forced on the profile's text: the early-exit model agrees with full depth on "
+                      f"{agreement[str(report['num_layers'] - 1)]:.3f} of tokens, a lean one at {e} on "
+                      f"{agreement[e]:.3f} (its greedy exits); the profile covers "
+                      f"{report['profile']['coverage'][e]:.3f} of decisions at {e}."]
     lines += ["", "| budget MiB | batch full | batch lean | batch ratio | tok/s full | tok/s lean | throughput ratio "
-              "[runs] | measured MiB full / lean |", "|---|---|---|---|---|---|---|---|"]
+              "[runs] | lean at full's batch / full | measured MiB full / lean |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for b in report["budgets"]:
         if "note" in b:
             lines.append(f"| {b['budget'] / mib:.0f} | {b['batch']['full']} | {b['batch']['lean']} | - | - | - | - | "
-                         f"{b['note']} |")
+                         f"- | {b['note']} |")
             continue
         runs = ", ".join(f"{r:.2f}" for r in b["throughput_ratio_runs"])
         lines.append(f"| {b['budget'] / mib:.0f} | {b['batch']['full']} | {b['batch']['lean']} | "
                      f"{b['batch_ratio']:.2f}x | {b['tokens_per_s']['full']:.1f} | {b['tokens_per_s']['lean']:.1f} | "
-                     f"{b['throughput_ratio']:.2f}x [{runs}] | {b['measured_total']['full'] / mib:.0f} / "
+                     f"{b['throughput_ratio']:.2f}x [{runs}] | {b['same_batch_ratio']:.2f}x | "
+                     f"{b['measured_total']['full'] / mib:.0f} / "
                      f"{b['measured_total']['lean'] / mib:.0f} |")
     return "\n".join(lines) + "\n"
 

@@ -31,7 +31,7 @@ from ee_transformers.generation_early_exit import (
 )
 from ee_transformers.lean_early_exit import is_lean
 
-__all__ = ["ExitProfile", "PROFILE_FILE", "main", "plot_profile", "profile_exits"]
+__all__ = ["ExitProfile", "PROFILE_FILE", "decide_positions", "lean_agreement", "main", "plot_profile", "profile_exits"]
 
 PROFILE_FILE = "exit_profile.json"
 
@@ -41,13 +41,16 @@ class ExitProfile:
     """Deciding layers of `num_tokens` teacher-forced tokens.
 
     histogram: {decided layer: tokens} (`num_layers - 1` = full depth); exit_layers: the model's exits; settings: the
-    exit settings profiled (JSON-friendly).
+    exit settings profiled (JSON-friendly); agreement: {depth: share of tokens a lean model with `exit_max_layer=depth`
+    predicts as plain full depth does} (teacher-forced: decisions deeper than `depth` become greedy exits there; at
+    the last layer it is the early-exit model's own agreement).
     """
 
     num_layers: int
     exit_layers: list
     histogram: dict
     settings: dict = field(default_factory=dict)
+    agreement: dict = field(default_factory=dict)
     texts: int = 0
     window: int = 0
 
@@ -88,12 +91,14 @@ class ExitProfile:
                 "histogram": {str(k): v for k, v in sorted(self.histogram.items())},
                 "rates": {str(k): v for k, v in self.rates.items()},
                 "coverage": {str(k): v for k, v in self.coverage.items()},
+                "agreement": {str(k): v for k, v in self.agreement.items()},
                 "recommend": {str(c): self.recommend(c) for c in (0.8, 0.9, 0.95, 0.99)}}
 
     @classmethod
     def from_dict(cls, data: dict) -> "ExitProfile":
         return cls(num_layers=data["num_layers"], exit_layers=list(data["exit_layers"]),
                    histogram={int(k): v for k, v in data["histogram"].items()}, settings=data.get("settings", {}),
+                   agreement={int(k): v for k, v in data.get("agreement", {}).items()},
                    texts=data.get("texts", 0), window=data.get("window", 0))
 
     @classmethod
@@ -103,7 +108,8 @@ class ExitProfile:
         return cls.from_dict(json.loads((path / PROFILE_FILE if path.is_dir() else path).read_text()))
 
     def __str__(self):
-        rows = ", ".join(f"{d}: {100 * r:.1f}%" for d, r in self.rates.items())
+        rows = ", ".join(f"{d}: {100 * r:.1f}%" + (f" (agreement {self.agreement[d]:.3f})" if d in self.agreement
+                                                     else "") for d, r in self.rates.items())
         return (f"{self.num_tokens} tokens from {self.texts} texts; decided at {{{rows}}}; recommended exit_max_layer "
                 f"{self.recommend(0.95)} (95% coverage), {self.recommend(0.9)} (90%)")
 
@@ -144,13 +150,34 @@ def decide_positions(model, settings, hidden_states, chunk=1024) -> torch.Tensor
 
 
 @torch.no_grad()
+def lean_agreement(model, hidden_states, decided, chunk=512) -> dict:
+    """{depth: positions whose token a lean model stopping at `depth` predicts as plain full depth does}: a position
+    decided at or below `depth` takes its deciding head's argmax, a deeper one the greedy exit's at `depth`."""
+    last, exits = model.config.num_hidden_layers - 1, list(model.config.exit_layers)
+    depths = exits + [last]
+    column = torch.full((last + 1,), -1, dtype=torch.long, device=decided.device)
+    column[depths] = torch.arange(len(depths), device=decided.device)
+    agree = dict.fromkeys(depths, 0)
+    for start in range(0, decided.numel(), chunk):
+        rows = slice(start, start + chunk)
+        full = model.family.head_logits(model, hidden_states[-1][rows]).argmax(-1)  # the last entry is after the norm
+        argmax = torch.stack([model.exit_logits_from_hidden(i, hidden_states[e + 1][rows]).argmax(-1)
+                              for i, e in enumerate(exits)] + [full], dim=1)  # (n, depths)
+        for d in depths:
+            used = column[decided[rows].clamp(max=d)]
+            agree[d] += int((argmax.gather(1, used[:, None]).squeeze(1) == full).sum())
+    return agree
+
+
+@torch.no_grad()
 def profile_exits(model, tokenizer, texts, batch_size: int = 8, window: int = 256, max_tokens: int | None = None,
                   out_dir=None, write: bool = True, progress: bool = True, **exit_settings) -> ExitProfile:
     """Profiles the model's stored exit settings (or the given `exit_criterion=...`, ...) over `texts`, teacher-forced.
 
-    Writes `exit_profile.json` and `exit_profile.png` to `out_dir` (default: the folder the model was loaded from,
-    when it is a local folder) unless `write=False`. The model must hold every layer (a lean model cannot tell what
-    its shed layers would decide).
+    `window`: tokens per teacher-forced window; `max_tokens`: profile only the first windows that hold at least that
+    many tokens. Writes `exit_profile.json` and `exit_profile.png` to `out_dir` (default: the folder the model was
+    loaded from, when it is a local folder) unless `write=False`. The model must hold every layer (a lean model
+    cannot tell what its shed layers would decide).
     """
     unknown = sorted(set(exit_settings) - set(EXIT_FIELDS))
     if unknown:
@@ -165,17 +192,22 @@ def profile_exits(model, tokenizer, texts, batch_size: int = 8, window: int = 25
     settings = dataclasses.replace(settings, policy="row")  # each token decides for itself
     if isinstance(texts, str):
         texts = [texts]
-    windows = list(_windows(tokenizer, texts, window))
+    windows, total = [], 0
+    for ids in _windows(tokenizer, texts, window):
+        if max_tokens is not None and total >= max_tokens:
+            break
+        windows.append(ids)
+        total += len(ids)
     if not windows:
         raise ValueError("`texts` hold no window of at least 2 tokens to profile.")
     counts = torch.zeros(model.config.num_hidden_layers, dtype=torch.long)
+    agree = {}
     device, pad = model.device, tokenizer.pad_token_id or 0
     batches = range(0, len(windows), batch_size)
     if progress:
         from tqdm.auto import tqdm
 
         batches = tqdm(batches, desc="profiling exits", unit="batch")
-    seen = 0
     for b in batches:
         rows = windows[b:b + batch_size]
         length = max(map(len, rows))
@@ -186,13 +218,15 @@ def profile_exits(model, tokenizer, texts, batch_size: int = 8, window: int = 25
         out = model(ids.to(device), attention_mask=mask.to(device), output_hidden_states=True, logits_to_keep=1)
         valid = mask.bool().flatten().to(device)
         hidden = [h.flatten(0, 1)[valid] for h in out.hidden_states]
-        counts += torch.bincount(decide_positions(model, settings, hidden).cpu(), minlength=len(counts))
-        seen += int(valid.sum())
-        if max_tokens is not None and seen >= max_tokens:
-            break
+        decided = decide_positions(model, settings, hidden)
+        counts += torch.bincount(decided.cpu(), minlength=len(counts))
+        for d, n in lean_agreement(model, hidden, decided).items():
+            agree[d] = agree.get(d, 0) + n
+    total = int(counts.sum())
     profile = ExitProfile(num_layers=model.config.num_hidden_layers, exit_layers=list(model.config.exit_layers),
                           histogram={j: int(c) for j, c in enumerate(counts.tolist()) if c},
-                          settings=_json_settings(settings), texts=len(texts), window=window)
+                          settings=_json_settings(settings), agreement={d: n / total for d, n in agree.items()},
+                          texts=len(texts), window=window)
     if write:
         if out_dir is not None:
             write_profile(profile, out_dir)
@@ -221,6 +255,9 @@ def plot_profile(profile: ExitProfile, path):
     ax.bar(range(len(depths)), [profile.rates[d] for d in depths], color="C0", label="decided here")
     ax.plot(range(len(depths)), [profile.coverage[d] for d in depths], "o-", color="C1",
             label="coverage with exit_max_layer here")
+    if profile.agreement:
+        ax.plot(range(len(depths)), [profile.agreement[d] for d in depths], "s--", color="C2",
+                label="agreement with full depth (teacher-forced)")
     ax.axhline(0.95, color="gray", lw=0.8, ls="--")
     ax.set_xticks(range(len(depths)), [str(d) for d in depths])
     ax.set_xlabel("decoder layer (exits, then the last layer)")
@@ -251,7 +288,8 @@ def main(argv=None):
     parser.add_argument("--exit-patience", type=int, default=None)
     parser.add_argument("--window", type=int, default=256, help="tokens per teacher-forced window")
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=None, help="stop after this many profiled tokens")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="profile the first windows that hold at least this many tokens")
     parser.add_argument("--coverage", type=float, default=0.95, help="target share for the recommendation")
     parser.add_argument("--out", default=None, help="where to write exit_profile.json/.png (default: the folder)")
     args = parser.parse_args(argv)
