@@ -10,9 +10,10 @@ from pathlib import Path
 
 import torch
 
-from ee_transformers.tools import assets, from_base
+from ee_transformers import from_base
+from ee_transformers.tools import assets
 from ee_transformers.tools.demo import CALIBRATION_REGIONS, FIT_REGIONS, _slice
-from ee_transformers.training.calibrate import apply_calibration, calibrate, calibration_card
+from ee_transformers.training.calibrate import CalibrationConfig, apply_calibration, calibrate, calibration_card
 from ee_transformers.training.data import tokenize_blocks
 from ee_transformers.training.fit_exit_heads import FitConfig, fit_confidence_heads, save_model_folder
 
@@ -33,7 +34,7 @@ def main(out):
     print("confidence heads:", confidence)
     calibration = tokenize_blocks([_slice(novels[assets.AUSTEN_HELDOUT], CALIBRATION_REGIONS["austen"], 200_000),
                                    _slice(python_docs, CALIBRATION_REGIONS["python"], 200_000)], tokenizer, 256)[:48]
-    report = calibrate(model, calibration, criterion="learned", target_agreement=0.9, policy="row")
+    report = calibrate(model, calibration, CalibrationConfig(criterion="learned", target_agreement=0.9, policy="row"))
     apply_calibration(model, report)
     print(report["message"])
     readme = Path(out, "README.md").read_text()

@@ -32,6 +32,7 @@ if str(ROOT) not in sys.path:  # run from a bare checkout, without installing th
     sys.path.insert(0, str(ROOT))
 
 from ee_transformers.tools import bench  # noqa: E402
+from ee_transformers.tools.arguments import comma_list  # noqa: E402
 from ee_transformers.configuration_early_exit import EarlyExitLlamaConfig  # noqa: E402
 from ee_transformers.modeling_early_exit import EarlyExitLlamaForCausalLM  # noqa: E402
 
@@ -65,7 +66,7 @@ def build_model(fields, exit_layers, dtype, device, seed=0):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="small config on CPU in fp32: a smoke run of this script")
-    parser.add_argument("--batch-sizes", type=bench._int_list, default=None, help="default 1,8,32,64 (tiny: 1,4)")
+    parser.add_argument("--batch-sizes", type=comma_list(int), default=None, help="default 1,8,32,64 (tiny: 1,4)")
     parser.add_argument("--new-tokens", type=int, default=None, help="default 128 (tiny: 8)")
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=None, help="default 3 (tiny: 1)")
@@ -94,13 +95,12 @@ def main(argv=None):
     print(f"[gpu-bench] built {'tiny' if tiny else 'Llama-3-8B-shaped'} random model on {device} ({dtype}) in "
           f"{time.perf_counter() - start:.0f} s", flush=True)
     prompts = bench.random_prompts(ee_model.config.vocab_size, max(batch_sizes), args.prompt_tokens)
-    profiles = list(bench.FORCED_GRID) if args.forced_grid == "full" else list(bench.FORCED_PROFILES)
     merged = None
     for batch_size in batch_sizes:
-        report = bench.run_benchmark(ee_model, plain_model, prompts, [batch_size], new_tokens, repeats, sweep=False,
-                                     forced=True, calibrated=False, disabled=True, max_batches=1,
-                                     forced_profiles=profiles, profile=not args.no_profile, main_repeats=repeats,
-                                     log=lambda m: print(m, flush=True))
+        config = bench.BenchConfig(batch_sizes=[batch_size], max_batches=[1], new_tokens=new_tokens, repeats=repeats,
+                                   main_repeats=repeats, calibrated="off", sweep=False, forced_grid=args.forced_grid,
+                                   profile=not args.no_profile)
+        report = bench.run_benchmark(ee_model, plain_model, prompts, config, log=lambda m: print(m, flush=True))
         if merged is None:
             merged = report
             merged["model"]["shape"] = "tiny" if tiny else "Llama-3-8B (random bf16 weights)"
@@ -116,7 +116,7 @@ def main(argv=None):
                                                                                                        "frontier"))]
         merged["wall_seconds"] = time.perf_counter() - start
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "report.json").write_text(json.dumps(bench._jsonable(merged), indent=1) + "\n")
+        (out_dir / "report.json").write_text(json.dumps(bench.jsonable(merged), indent=1) + "\n")
         (out_dir / "results.md").write_text(bench.format_table(merged))
         print(f"[gpu-bench] batch {batch_size} done ({merged['wall_seconds']:.0f} s); wrote {out_dir}", flush=True)
     print(bench.format_table(merged))

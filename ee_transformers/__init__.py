@@ -1,6 +1,6 @@
 """ee-transformers: early-exit LLMs that really skip layers, native to Hugging Face transformers."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 

@@ -72,8 +72,8 @@ class EarlyExitConfigMixin:
 
     def __post_init__(self, **kwargs):
         self.exit_layers = list(self.exit_layers) if self.exit_layers is not None else []
-        # first-wave folders stored decoding defaults here; the model moves them to its generation config on load
-        self._legacy_exit_settings = {name: kwargs.pop(name) for name in LEGACY_DECODING_FIELDS if name in kwargs}
+        # first-wave folders stored decoding defaults here (LEGACY_DECODING_FIELDS): they stay plain attributes until
+        # the model moves them to its generation config on load (`pop_legacy_exit_settings`)
         super().__post_init__(**kwargs)
         self.validate_early_exit()
 
@@ -85,6 +85,13 @@ class EarlyExitConfigMixin:
         rank = self.exit_adapter_rank
         if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
             raise ValueError(f"`exit_adapter_rank` must be a positive integer, got {rank!r}.")
+
+    def pop_legacy_exit_settings(self) -> dict:
+        """Removes and returns the decoding defaults a first-wave config.json held (now generation settings)."""
+        found = {name: getattr(self, name) for name in LEGACY_DECODING_FIELDS if name in self.__dict__}
+        for name in found:
+            delattr(self, name)
+        return found
 
     @property
     def num_exits(self) -> int:

@@ -4,8 +4,11 @@ import json
 import logging
 import os
 
+from transformers import PreTrainedModel
+
 from .generation_early_exit import EXIT_ARGUMENTS, check_exit_argument
 from .modeling_early_exit import FAMILIES
+from .tools.model_card import source_card_data
 
 logger = logging.getLogger(__name__)
 
@@ -14,7 +17,7 @@ SUPPORTED_FAMILIES = FAMILIES
 _BY_EE_TYPE = {cls.config_class.model_type: cls for cls in SUPPORTED_FAMILIES.values()}
 
 
-def model_class_for(model_type: str):
+def model_class_for(model_type: str) -> type:
     """The early-exit class for a plain (`"llama"`) or early-exit (`"early_exit_llama"`) model type."""
     cls = SUPPORTED_FAMILIES.get(model_type) or _BY_EE_TYPE.get(model_type)
     if cls is None:
@@ -23,7 +26,7 @@ def model_class_for(model_type: str):
     return cls
 
 
-def read_config(path, argument: str = "path") -> dict:
+def read_config(path: str | os.PathLike, argument: str = "path") -> dict:
     """The raw `config.json` of a model folder; a `ValueError` naming `argument` when there is none."""
     config_file = os.path.join(str(path), "config.json")
     if not os.path.isfile(config_file):
@@ -35,7 +38,8 @@ def read_config(path, argument: str = "path") -> dict:
     return config
 
 
-def from_base(path, exit_layers=None, exit_head=None, exit_adapter_rank=None, **kwargs):
+def from_base(path: str | os.PathLike, exit_layers: list[int] | None = None, exit_head: str | None = None,
+              exit_adapter_rank: int | None = None, **kwargs) -> PreTrainedModel:
     """Loads a plain (or early-exit) checkpoint folder into the early-exit class of its family.
 
     `exit_layers` (and `exit_head`, `exit_adapter_rank`) override what the checkpoint's config holds; exit settings
@@ -52,4 +56,7 @@ def from_base(path, exit_layers=None, exit_head=None, exit_adapter_rank=None, **
     fields = {k: v for k, v in config.items() if k not in ("model_type", "architectures", "auto_map")}
     fields.update(overrides)
     config_obj = cls.config_class(**fields)  # validates
-    return cls.from_pretrained(path, config=config_obj, **kwargs)
+    model = cls.from_pretrained(path, config=config_obj, **kwargs)
+    # what the source says about itself (its Hub name, its license), for the model cards of folders saved from it
+    model.card_data = source_card_data(path)
+    return model

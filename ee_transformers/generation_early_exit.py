@@ -23,6 +23,16 @@ from torch.profiler import record_function
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .cache_early_exit import EarlyExitCache, RowSubsetCache
+from .lean_early_exit import (
+    LEAN_FIELDS,
+    BreachGuard,
+    check_lean_argument,
+    deepen,
+    keep_exit_states,
+    keeps_exit_states,
+    loaded_depth,
+    resolve_guard,
+)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -143,7 +153,8 @@ def register_exit_criterion(name: str, criterion: ExitCriterion) -> None:
 # settings
 # ---------------------------------------------------------------------------------------------------------------------
 # exit settings: generation settings (GenerationConfig attributes, generate kwargs, from_pretrained kwargs)
-EXIT_FIELDS = ("exit_criterion", "exit_threshold", "exit_policy", "exit_patience", "exit_kv", "exit_check_layers")
+EXIT_FIELDS = ("exit_criterion", "exit_threshold", "exit_policy", "exit_patience", "exit_kv", "exit_check_layers",
+               *LEAN_FIELDS)
 EXIT_ARGUMENTS = ("early_exit",) + EXIT_FIELDS
 EXIT_POLICIES = ("batch", "row")
 EXIT_KV_MODES = ("immediate", "deferred")
@@ -186,6 +197,8 @@ def check_exit_argument(name: str, value, exit_layers=None) -> None:
             if not layers or layers != sorted(set(layers)) or any(v not in exit_layers for v in layers):
                 raise ValueError(f"`exit_check_layers` must be a sorted, non-empty subset of the exits {exit_layers}, "
                                  f"got {value!r}.")
+    elif name in LEAN_FIELDS:
+        check_lean_argument(name, value)
     else:
         raise ValueError(f"Unknown exit setting `{name}`: allowed names are {list(EXIT_ARGUMENTS)}.")
 
@@ -199,6 +212,8 @@ class ExitSettings:
     policy: str = "batch"
     patience: int = 0
     kv: str = "immediate"
+    breach_limit: float | None = None  # lean models: deepen when more than this share of ...
+    breach_window: int | None = None  # ... the last `breach_window` decided tokens were greedy exits
 
     @property
     def check_layers(self) -> list[int]:
@@ -274,8 +289,9 @@ def resolve_exit_settings(config, values: dict) -> ExitSettings | None:
         if value != math.inf and not low <= value <= high:
             raise ValueError(f"`exit_threshold`={value!r} is outside the range of the criterion's score: allowed "
                              f"values are {low} <= exit_threshold <= {high}.")
+    breach_limit, breach_window = resolve_guard(values)
     return ExitSettings(criterion=criterion, thresholds=dict(zip(check_layers, map(float, thresholds))),
-                        policy=policy, patience=patience, kv=kv)
+                        policy=policy, patience=patience, kv=kv, breach_limit=breach_limit, breach_window=breach_window)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -301,24 +317,28 @@ class Decided:
     def __init__(self, batch_size):
         self.batch_size, self.groups = batch_size, []
 
-    def add(self, rows, layer, logits=None, head_input=None):
-        self.groups.append((rows, layer, logits, head_input))
+    def add(self, rows, layer, logits=None, head_input=None, greedy=False):
+        self.groups.append((rows, layer, logits, head_input, greedy))
 
     def finish(self, model):
-        """-> logits `(batch, vocab)` and exit layers `(batch,)`."""
+        """-> logits `(batch, vocab)`, exit layers `(batch,)` and greedy exits `(batch,)` (decided at the deepest
+        loaded layer of a lean model because nothing deeper is loaded)."""
         waiting = [g for g in self.groups if g[2] is None]
         if waiting:
             with record_function("ee::final_head"):
                 head_input = torch.cat([g[3] for g in waiting])
                 computed = iter(model.family.head_logits(model, head_input).split([g[0].numel() for g in waiting]))
-            self.groups = [(r, layer, next(computed) if x is None else x, None) for r, layer, x, _ in self.groups]
+            self.groups = [(r, layer, next(computed) if x is None else x, None, greedy)
+                           for r, layer, x, _, greedy in self.groups]
         first = self.groups[0][2]
         logits = first.new_zeros(self.batch_size, first.shape[-1])
         exit_layers = torch.full((self.batch_size,), -1, dtype=torch.long, device=first.device)
-        for rows, layer, group_logits, _ in self.groups:
+        greedy_exits = torch.zeros(self.batch_size, dtype=torch.bool, device=first.device)
+        for rows, layer, group_logits, _, greedy in self.groups:
             logits.index_copy_(0, rows, group_logits)
             exit_layers.index_fill_(0, rows, layer)
-        return logits, exit_layers
+            greedy_exits.index_fill_(0, rows, greedy)
+        return logits, exit_layers, greedy_exits
 
 
 def check_exit(model, settings, layer, h_out, h_in, rows, state):
@@ -346,16 +366,18 @@ def check_exit(model, settings, layer, h_out, h_in, rows, state):
     return confident, logits, head_out
 
 
-def decide(model, decided, layer, h_last, idx, rows, logits=None, head_out=None):
+def decide(model, decided, layer, h_last, idx, rows, logits=None, head_out=None, greedy=False):
     """Records rows `rows[idx]` as decided at `layer`: with the check's logits when it computed them, else with the
-    exit head's (or final norm's) output, for the one LM-head call at the end of the step."""
+    exit head's (or final norm's) output, for the one LM-head call at the end of the step. `greedy`: decided there
+    only because no deeper layer is loaded."""
     with record_function("ee::exit_heads"):
         if logits is not None:
-            decided.add(rows.index_select(0, idx), layer, logits=logits.index_select(0, idx))
+            decided.add(rows.index_select(0, idx), layer, logits=logits.index_select(0, idx), greedy=greedy)
         elif head_out is not None:
-            decided.add(rows.index_select(0, idx), layer, head_input=head_out.index_select(0, idx))
+            decided.add(rows.index_select(0, idx), layer, head_input=head_out.index_select(0, idx), greedy=greedy)
         else:
-            decided.add(rows.index_select(0, idx), layer, head_input=model.head_input(layer, h_last.index_select(0, idx)))
+            decided.add(rows.index_select(0, idx), layer, head_input=model.head_input(layer, h_last.index_select(0, idx)),
+                        greedy=greedy)
 
 
 def backfill_kv(model, layer_idx, states, inputs):
@@ -368,28 +390,35 @@ def backfill_kv(model, layer_idx, states, inputs):
 def prefill(model, h, attention_mask, position_ids, cache, settings, state):
     """Every layer runs for every position of h `(B, q, D)`, so the prompt's K/V are complete; the token of each row
     comes from the first checked exit whose criterion holds at the last position."""
-    fam, num_layers = model.family, model.config.num_hidden_layers
+    fam, num_layers, depth = model.family, model.config.num_hidden_layers, loaded_depth(model)
     inputs = fam.layer_inputs(model, h, attention_mask, cache, position_ids)
     at_exit = {}  # exit layer -> (state leaving it, state entering it), (B, D) at the last position
-    for j in range(num_layers):
+    for j in range(depth):
         h_in = h
         with record_function("ee::layer"):
             h = fam.run_layer(model, j, h, inputs, cache)
         if j in settings.thresholds:
             at_exit[j] = (h[:, -1], h_in[:, -1])
+    keep_exit_states(model, settings, cache, h, inputs.position_ids)  # lean, guard on: for a later deepening
     rows = torch.arange(h.shape[0], device=h.device)  # undecided rows
     decided = Decided(h.shape[0])
+    left = (None, None)  # lean: what the check at the deepest loaded exit computed for the rows it left undecided
     for j in settings.check_layers:
+        if j >= depth:  # lean: not loaded
+            break
         h_out, h_in = (t.index_select(0, rows) for t in at_exit[j])
         confident, logits, head_out = check_exit(model, settings, j, h_out, h_in, rows, state)
-        idx = confident.nonzero().squeeze(1)
+        idx, keep = confident.nonzero().squeeze(1), (~confident).nonzero().squeeze(1)
+        if j == depth - 1:
+            left = tuple(None if t is None else t.index_select(0, keep) for t in (logits, head_out))
         if idx.numel():
             decide(model, decided, j, h_out, idx, rows, logits, head_out)
-            rows = rows.index_select(0, (~confident).nonzero().squeeze(1))
+            rows = rows.index_select(0, keep)
             if rows.numel() == 0:
                 return decided.finish(model)
     last = h[:, -1].index_select(0, rows)
-    decide(model, decided, num_layers - 1, last, torch.arange(rows.numel(), device=h.device), rows)
+    decide(model, decided, depth - 1, last, torch.arange(rows.numel(), device=h.device), rows, *left,
+           greedy=depth < num_layers)
     return decided.finish(model)
 
 
@@ -402,6 +431,7 @@ def decode_one_token(model, h, attention_mask, mask_2d, position_ids, cache, set
     cache and join the next token that runs those layers.
     """
     fam, num_layers, batch = model.family, model.config.num_hidden_layers, h.shape[0]
+    depth = loaded_depth(model)  # lean models run only their loaded layers
     deferred = settings.kv == "deferred"
     step_inputs = fam.layer_inputs(model, h, attention_mask, cache, position_ids)  # the full batch's
     inputs = step_inputs  # the running rows' (and, deferred, the pending tokens')
@@ -409,8 +439,9 @@ def decode_one_token(model, h, attention_mask, mask_2d, position_ids, cache, set
     exited_rows, exited_states = [], []  # row policy: rows that stopped so far, their exit states (n, 1, D)
     decided = Decided(batch)
     layer_cache = cache  # what the layers see: the cache, or a view of it for the running rows
+    left = (None, None)  # lean: what the check at the deepest loaded exit computed for the rows it left undecided
 
-    for j in range(num_layers):
+    for j in range(depth):
         if deferred and (entry := cache.pop_pending(j)) is not None:
             # tokens that skipped layer j earlier run it now, ahead of the current token (they are earlier)
             h = torch.cat([entry.states, h], dim=1)  # (B, pending + 1, D)
@@ -424,6 +455,7 @@ def decode_one_token(model, h, attention_mask, mask_2d, position_ids, cache, set
         confident, logits, head_out = check_exit(model, settings, j, h[:, -1], h_in[:, -1], rows, state)
         idx = confident.nonzero().squeeze(1)  # the one host sync of this check
         if idx.numel() == 0:
+            left = (logits, head_out) if j == depth - 1 else left
             continue
         decide(model, decided, j, h[:, -1], idx, rows, logits, head_out)
         if idx.numel() == rows.numel():  # every running row has exited at j
@@ -432,11 +464,14 @@ def decode_one_token(model, h, attention_mask, mask_2d, position_ids, cache, set
                 return decided.finish(model)
             done_rows, done_states = torch.cat(exited_rows + [rows]), torch.cat(exited_states + [h])
             states = done_states.index_select(0, torch.argsort(done_rows))  # (B, 1, D), back in batch order
-            for skipped in range(j + 1, num_layers):
+            for skipped in range(j + 1, depth):
                 cache.update(*backfill_kv(model, skipped, states, step_inputs), skipped)
+            keep_exit_states(model, settings, cache, states, step_inputs.position_ids)
             return decided.finish(model)
         # some rows exit: the rest go on as a smaller batch, through a view of the cache that backfills the others
         keep = (~confident).nonzero().squeeze(1)
+        if j == depth - 1:
+            left = tuple(None if t is None else t.index_select(0, keep) for t in (logits, head_out))
         exited_rows.append(rows.index_select(0, idx))
         exited_states.append(h.index_select(0, idx))
         rows, h = rows.index_select(0, keep), h.index_select(0, keep)
@@ -444,7 +479,14 @@ def decode_one_token(model, h, attention_mask, mask_2d, position_ids, cache, set
         done_inputs, inputs = step_inputs.select(done_rows, batch), step_inputs.select(rows, batch)
         layer_cache = RowSubsetCache(cache, rows, _filler(model, batch, done_rows, done_states, done_inputs))
 
-    decide(model, decided, num_layers - 1, h[:, -1], torch.arange(rows.numel(), device=h.device), rows)
+    decide(model, decided, depth - 1, h[:, -1], torch.arange(rows.numel(), device=h.device), rows, *left,
+           greedy=depth < num_layers)
+    if keeps_exit_states(model, settings):  # lean, guard on: the states leaving the deepest layer, in batch order
+        if exited_rows:
+            done_rows, done_states = torch.cat(exited_rows + [rows]), torch.cat(exited_states + [h])
+            cache.add_pending(depth, done_states.index_select(0, torch.argsort(done_rows)), step_inputs.position_ids)
+        else:
+            cache.add_pending(depth, h, inputs.position_ids)
     return decided.finish(model)
 
 
@@ -460,8 +502,9 @@ def _filler(model, batch, done_rows, done_states, done_inputs):
 
 
 def early_exit_step(model, input_ids, attention_mask, position_ids, cache, settings, unfinished=None, mask_2d=None):
-    """One forward of early-exit decoding: `input_ids` `(B, q)` -> logits `(B, V)` of each row's deciding head and
-    its exit layers `(B,)`. The prefill (q > 1 or an empty cache) runs full depth; a decoding step stops early."""
+    """One forward of early-exit decoding: `input_ids` `(B, q)` -> logits `(B, V)` of each row's deciding head, its
+    exit layers `(B,)` and greedy exits `(B,)`. The prefill (q > 1 or an empty cache) runs every loaded layer; a
+    decoding step stops early."""
     if position_ids is None:  # before embedding: absolute-position families (GPT-2) embed them
         past = cache.get_seq_length()
         position_ids = (torch.arange(input_ids.shape[1], device=input_ids.device) + past).unsqueeze(0)
@@ -482,6 +525,8 @@ class GenerateEarlyExitOutput(GenerateDecoderOnlyOutput):
     was decided (`num_hidden_layers - 1` = full depth, -1 where the row had already finished)."""
 
     exit_layers: torch.LongTensor | None = None
+    greedy_exits: torch.BoolTensor | None = None  # (batch, new_tokens): decided at a lean model's deepest loaded layer
+    deepenings: list | None = None  # lean, guard on: (decoding steps before it, old exit_max_layer, new) per deepening
 
 
 def exit_layers_after_eos(new_tokens: torch.Tensor, eos_token_id, full_depth: int) -> torch.LongTensor:
@@ -527,14 +572,16 @@ def early_exit_generate(model, input_ids, logits_processor, stopping_criteria, g
     batch_size = input_ids.shape[0]
     unfinished = torch.ones(batch_size, dtype=torch.long, device=input_ids.device)
     cache = model_kwargs["cache"] = EarlyExitCache.from_cache(model_kwargs["cache"])
-    step_exit_layers = []
+    step_exit_layers, step_greedy, deepenings = [], [], []
+    guard = BreachGuard(exit_settings.breach_limit, exit_settings.breach_window) if keeps_exit_states(
+        model, exit_settings) else None
     if exit_streamer is not None:  # generate streams the prompt first; it left the streamer to this loop
         exit_streamer.put(input_ids.cpu())
     first = True
     while model._has_unfinished_sequences(not bool(unfinished.max()), synced_gpus, device=input_ids.device):
         ids, mask, position_ids = _step_inputs(model, input_ids, model_kwargs, first)
-        logits, exit_layers = early_exit_step(model, ids, mask, position_ids, cache, exit_settings, unfinished,
-                                              mask_2d=model_kwargs.get("attention_mask"))
+        logits, exit_layers, greedy = early_exit_step(model, ids, mask, position_ids, cache, exit_settings,
+                                                      unfinished, mask_2d=model_kwargs.get("attention_mask"))
         first = False
         model_kwargs = model._update_model_kwargs_for_generation({"cache": cache}, model_kwargs)
 
@@ -549,11 +596,18 @@ def early_exit_generate(model, input_ids, logits_processor, stopping_criteria, g
             next_tokens = torch.multinomial(probs, num_samples=1).squeeze(1)
         else:
             next_tokens = torch.argmax(next_token_scores, dim=-1)
-        exit_layers = exit_layers.to(input_ids.device)
+        exit_layers, greedy = exit_layers.to(input_ids.device), greedy.to(input_ids.device)
         if has_eos_stopping_criteria:
             next_tokens = next_tokens * unfinished + pad_token_id * (1 - unfinished)
             exit_layers = exit_layers.masked_fill(unfinished == 0, -1)
+            greedy = greedy & unfinished.bool()
         step_exit_layers.append(exit_layers)
+        step_greedy.append(greedy)
+        if guard is not None and guard.update(greedy[unfinished.bool()]):  # lean quality guard: load deeper layers
+            old = loaded_depth(model) - 1
+            deepenings.append((len(step_exit_layers), old, deepen(model, cache, model_kwargs.get("attention_mask"))))
+            guard = BreachGuard(exit_settings.breach_limit, exit_settings.breach_window) if keeps_exit_states(
+                model, exit_settings) else None
 
         input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
         if exit_streamer is not None:
@@ -565,7 +619,8 @@ def early_exit_generate(model, input_ids, logits_processor, stopping_criteria, g
     if not return_dict:
         return input_ids
     return GenerateEarlyExitOutput(sequences=input_ids, scores=scores, logits=raw_logits, cache=cache,
-                                   exit_layers=torch.stack(step_exit_layers, dim=1))
+                                   exit_layers=torch.stack(step_exit_layers, dim=1),
+                                   greedy_exits=torch.stack(step_greedy, dim=1), deepenings=deepenings)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -577,7 +632,12 @@ class ExitStats:
 
     mean_exit_layer: mean 0-based decoder-layer index of the deciding layer; histogram: {layer index: token count};
     compute_saved: share of decoder-layer forward passes skipped, relative to running every token at full depth
-    (backfill and head checks are not counted here; the benchmark measures them).
+    (backfill and head checks are not counted here; the benchmark measures them); greedy_exits: tokens a lean model
+    decided at its deepest loaded layer because nothing deeper was loaded (`greedy_rate` of `num_tokens`);
+    deepenings: the quality guard's deepening events, (decoding steps before it, old exit_max_layer, new).
+    Self-speculative decoding (`assistant_early_exit`) decides every token at full depth; draft_tokens /
+    accepted_tokens / verify_rounds then sum its drafts, the drafts the full model kept, and the rows' verification
+    rounds (None otherwise).
     """
 
     num_tokens: int
@@ -585,12 +645,33 @@ class ExitStats:
     mean_exit_layer: float
     histogram: dict
     compute_saved: float
+    greedy_exits: int = 0
+    deepenings: tuple = ()
+    draft_tokens: int | None = None
+    accepted_tokens: int | None = None
+    verify_rounds: int | None = None
+
+    @property
+    def greedy_rate(self) -> float:
+        return self.greedy_exits / self.num_tokens if self.num_tokens else float("nan")
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Share of the drafts the full model accepted."""
+        return None if self.draft_tokens is None else self.accepted_tokens / max(self.draft_tokens, 1)
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Accepted drafts per verification round (a round gives one more token: the full model's own)."""
+        return None if self.verify_rounds is None else self.accepted_tokens / max(self.verify_rounds, 1)
 
     @classmethod
-    def from_exit_layers(cls, exit_layers: torch.Tensor, num_layers: int) -> "ExitStats":
+    def from_exit_layers(cls, exit_layers: torch.Tensor, num_layers: int, greedy_exits: torch.Tensor | None = None,
+                         deepenings=()) -> "ExitStats":
         decided = exit_layers[exit_layers >= 0]
+        greedy = 0 if greedy_exits is None else int(greedy_exits[exit_layers >= 0].sum())
         if decided.numel() == 0:
-            return cls(0, num_layers, float("nan"), {}, 0.0)
+            return cls(0, num_layers, float("nan"), {}, 0.0, greedy, tuple(deepenings))
         values, counts = decided.unique(return_counts=True)
         layers_run = (decided + 1).double()
         return cls(
@@ -599,19 +680,38 @@ class ExitStats:
             mean_exit_layer=float(decided.double().mean()),
             histogram={int(v): int(c) for v, c in zip(values.tolist(), counts.tolist())},
             compute_saved=float(1.0 - layers_run.mean() / num_layers),
+            greedy_exits=greedy,
+            deepenings=tuple(deepenings),
         )
 
     @classmethod
-    def from_generate(cls, output, model) -> "ExitStats":
-        """From a `generate(..., return_dict_in_generate=True)` output of an early-exit model."""
+    def from_generate(cls, output, model, last: int | None = None) -> "ExitStats":
+        """From a `generate(..., return_dict_in_generate=True)` output of an early-exit model; `last=k`: the running
+        distribution, over the last `k` decoding steps only."""
         if getattr(output, "exit_layers", None) is None:
             raise ValueError("`output` has no `exit_layers`: call generate with `return_dict_in_generate=True`.")
-        return cls.from_exit_layers(output.exit_layers, model.config.num_hidden_layers)
+        steps = slice(-last, None) if last else slice(None)
+        greedy = getattr(output, "greedy_exits", None)
+        stats = cls.from_exit_layers(output.exit_layers[:, steps], model.config.num_hidden_layers,
+                                     None if greedy is None else greedy[:, steps],
+                                     getattr(output, "deepenings", None) or ())
+        if getattr(output, "draft_tokens", None) is not None:
+            stats.draft_tokens, stats.accepted_tokens, stats.verify_rounds = (
+                int(getattr(output, name).sum()) for name in ("draft_tokens", "accepted_tokens", "verify_rounds"))
+        return stats
 
     def __str__(self):
         hist = ", ".join(f"{layer}: {count}" for layer, count in sorted(self.histogram.items()))
-        return (f"{self.num_tokens} tokens, mean exit layer {self.mean_exit_layer:.2f} of {self.num_layers - 1}, "
+        text = (f"{self.num_tokens} tokens, mean exit layer {self.mean_exit_layer:.2f} of {self.num_layers - 1}, "
                 f"{100 * self.compute_saved:.1f}% of layer compute skipped; histogram {{{hist}}}")
+        if self.greedy_exits:
+            text += f"; {self.greedy_exits} greedy exits ({100 * self.greedy_rate:.1f}%)"
+        if self.deepenings:
+            text += "; deepened " + ", ".join(f"{old}->{new} after {n} steps" for n, old, new in self.deepenings)
+        if self.draft_tokens is not None:
+            text += (f"; speculative: {100 * self.acceptance_rate:.1f}% of {self.draft_tokens} drafts accepted, "
+                     f"{self.mean_accepted_length:.2f} per round")
+        return text
 
 
 __all__ = [

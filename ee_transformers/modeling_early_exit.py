@@ -66,7 +66,9 @@ from .families import (
 )
 from .generation_early_exit import (
     EXIT_ARGUMENTS,
+    EXIT_CRITERIA,
     EXIT_FIELDS,
+    ExitSettings,
     GenerateEarlyExitOutput,
     check_exit_argument,
     early_exit_generate,
@@ -74,6 +76,8 @@ from .generation_early_exit import (
     merged_exit_values,
     resolve_exit_settings,
 )
+from .lean_early_exit import is_lean, set_exit_max_layer, shed_layers
+from .speculative_early_exit import speculation_requested, speculative_generate
 
 
 logger = logging.get_logger(__name__)
@@ -146,13 +150,24 @@ class EarlyExitMixin(ExitHeadsMixin):
 
     base_model_class = None  # the family's early-exit decoder for AutoModel (set per family below)
 
-    def __init__(self, config):
+    def __init__(self, config, exit_max_layer: int | None = None):
+        """`exit_max_layer` (an exit layer, or the last layer): build only decoder layers 0..exit_max_layer (the rest
+        are `ShedLayer` placeholders, see lean_early_exit.py); `from_pretrained(..., exit_max_layer=E)` passes it
+        here, before any weight is read."""
         config.validate_early_exit()
         super().__init__(config)
         self._add_exit_heads(config)
         self.tokenizer = None  # set when loaded with the model; saved with it
+        self.exit_max_layer = config.num_hidden_layers - 1  # the deepest resident decoder layer
+        if exit_max_layer is not None:
+            shed_layers(self, exit_max_layer)
 
-    def add_confidence_heads(self):
+    def set_exit_max_layer(self, exit_max_layer: int):
+        """Keeps exactly decoder layers 0..`exit_max_layer` resident (an exit layer, or the last layer): deeper ones
+        are shed (their memory freed), missing ones are read from the checkpoint folder. Between generate calls."""
+        return set_exit_max_layer(self, exit_max_layer)
+
+    def add_confidence_heads(self) -> nn.ModuleList:
         """Adds untrained learned-confidence heads (one per exit) and records them in the config."""
         if self.confidence_heads is None:
             device = self.family.final_norm(self).weight.device
@@ -180,8 +195,10 @@ class EarlyExitMixin(ExitHeadsMixin):
         missing = getattr(model, "_missing_exit_modules", [])
         if missing:
             logger.warning(f"Initialised {', '.join(missing)} from the final norm / as untrained: not in the checkpoint.")
-        legacy = getattr(model.config, "_legacy_exit_settings", None) or {}
-        model.set_exit_defaults(**{**{k: v for k, v in legacy.items() if v is not None}, **settings})
+        legacy = {k: v for k, v in model.config.pop_legacy_exit_settings().items() if v is not None}
+        if not (legacy.get("exit_criterion") or legacy.get("exit_threshold") is not None or legacy.get("exit_patience")):
+            legacy = {}  # the first wave stored policy/kv defaults even with exits off
+        model.set_exit_defaults(**{**legacy, **settings})
         path = str(pretrained_model_name_or_path)
         if model.tokenizer is None and os.path.isdir(path) and any(
             os.path.exists(os.path.join(path, name)) for name in ("tokenizer.json", "tokenizer_config.json")
@@ -192,7 +209,7 @@ class EarlyExitMixin(ExitHeadsMixin):
                 logger.warning(f"Could not load the tokenizer in {path}: {error}")
         return (model, info) if want_info else model
 
-    def set_exit_defaults(self, **settings):
+    def set_exit_defaults(self, **settings) -> None:
         """Stores exit settings (`exit_criterion=...`; None clears one) in `model.generation_config`, validated
         together, so a later `generate()` without exit arguments uses them and `save_pretrained` writes them to
         `generation_config.json`."""
@@ -219,6 +236,10 @@ class EarlyExitMixin(ExitHeadsMixin):
         """Saves weights, config (with `auto_map` for AutoModelForCausalLM and AutoModel), generation config (with
         the exit settings) and this runtime code; also the tokenizer loaded with the model, and a model card when
         `ee_transformers` is installed (it registers `model_card_writer`)."""
+        if is_lean(self):
+            raise ValueError(f"This model holds decoder layers 0..{self.exit_max_layer} only (`exit_max_layer`); "
+                             "saving it would write a checkpoint without the others. Load every layer first: "
+                             f"`model.set_exit_max_layer({self.config.num_hidden_layers - 1})`.")
         if self.base_model_class is not None:  # AutoModel -> the family's early-exit decoder
             auto_map = dict(getattr(self.config, "auto_map", None) or {})
             auto_map["AutoModel"] = f"{type(self).__module__.split('.')[-1]}.{self.base_model_class.__name__}"
@@ -281,7 +302,7 @@ class EarlyExitMixin(ExitHeadsMixin):
         )
 
     # generate -----------------------------------------------------------------------------------------------------
-    def generate(self, inputs=None, generation_config=None, **kwargs):
+    def generate(self, inputs: torch.Tensor | None = None, generation_config: GenerationConfig | None = None, **kwargs):
         """`GenerationMixin.generate` plus early exit.
 
         Exit settings (generation settings; precedence: these kwargs, then `generation_config`, then
@@ -291,8 +312,18 @@ class EarlyExitMixin(ExitHeadsMixin):
         `exit_check_layers`; `early_exit=False` forces full depth. With exits on, the decoding loop is
         `early_exit_generate`, passed to transformers as `custom_generate`. With `return_dict_in_generate=True` the
         output also has `exit_layers` `(batch, new_tokens)`.
+
+        Lossless self-speculative decoding: `assistant_early_exit=e + 1` (transformers' argument: the number of layers
+        that draft) drafts with the exit head after layer `e` and verifies with the layers above it, at any batch size
+        (`speculative_early_exit.py`); `num_assistant_tokens`, `num_assistant_tokens_schedule` and
+        `assistant_confidence_threshold` as in transformers.
         """
+        if speculation_requested(self, generation_config, kwargs):
+            return super().generate(inputs, generation_config=generation_config, custom_generate=speculative_generate,
+                                    spec_streamer=kwargs.pop("streamer", None), **kwargs)
         settings = resolve_exit_settings(self.config, merged_exit_values(self, generation_config, kwargs))
+        if settings is None and is_lean(self):  # lean, no exit settings: every token exits at exit_max_layer
+            settings = ExitSettings(criterion=EXIT_CRITERIA["max_prob"], thresholds={})
         if settings is None:
             eos = kwargs.get("eos_token_id", getattr(generation_config or self.generation_config, "eos_token_id", None))
             out = super().generate(inputs, generation_config=generation_config, **kwargs)
@@ -313,7 +344,7 @@ class EarlyExitMixin(ExitHeadsMixin):
         if (given("num_beams") or 1) > 1:
             raise ValueError(f"Early-exit decoding does not support beam search (`num_beams={given('num_beams')}`); "
                              "pass `early_exit=False` or `num_beams=1`.")
-        for name in ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit", "custom_generate"):
+        for name in ("assistant_model", "prompt_lookup_num_tokens", "custom_generate"):
             if given(name) is not None:
                 raise ValueError(f"Early-exit decoding cannot be combined with `{name}`; pass `early_exit=False`.")
         for name in ("output_hidden_states", "output_attentions"):

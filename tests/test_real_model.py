@@ -11,7 +11,8 @@ pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from ee_transformers.tools import assets, from_base
+    from ee_transformers import from_base
+    from ee_transformers.tools import assets
 
     model_dir = assets.fetch_model(progress=False)
     text = assets.fetch_text(progress=False)
@@ -28,8 +29,9 @@ def _blocks(tokenizer, path, region, count, block_size=128):
 
 
 def test_fit_calibrate_and_skip_layers_on_held_out_text(smollm2):
-    from ee_transformers import ExitStats, assets
-    from ee_transformers.training.calibrate import apply_calibration, calibrate
+    from ee_transformers import ExitStats
+    from ee_transformers.tools import assets
+    from ee_transformers.training.calibrate import CalibrationConfig, apply_calibration, calibrate
     from ee_transformers.training.fit_exit_heads import FitConfig, fit_exit_heads
 
     torch.manual_seed(0)
@@ -44,7 +46,7 @@ def test_fit_calibrate_and_skip_layers_on_held_out_text(smollm2):
 
     # calibrate on one held-out novel; cheap pinned costs keep the test about mechanics, not this machine's speed
     calibration = _blocks(tokenizer, novels[assets.AUSTEN_HELDOUT], 0.0, 12)
-    report = calibrate(model, calibration, target_agreement=0.9, policy="row",
+    report = calibrate(model, calibration, CalibrationConfig(target_agreement=0.9, policy="row"),
                        costs={"head_cost": 0.5, "check_cost": 0.0, "backfill_cost": 0.05})
     assert report["chosen"], report["message"]
     assert report["heldout_B"]["agreement"] >= 0.8

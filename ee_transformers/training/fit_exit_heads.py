@@ -31,6 +31,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ee_transformers.convert import read_config
+from ee_transformers.tools.arguments import ArgumentParser, add_config_arguments, config_from_args, run_command
 from ee_transformers.training.checkpoint import latest_checkpoint, load_checkpoint, read_checkpoint_state, save_checkpoint
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -633,8 +634,8 @@ def save_model_folder(model, out, tokenizer=None, card_data: dict | None = None,
     shutil.rmtree(tmp, ignore_errors=True)
     if tokenizer is not None:
         model.tokenizer = tokenizer
-    if card_data is not None:
-        model.card_data = card_data
+    if card_data is not None:  # over what from_base read from the source (base model, license)
+        model.card_data = {**(getattr(model, "card_data", None) or {}), **card_data}
     model.save_pretrained(tmp)
     for name, payload in (reports or {}).items():
         with open(os.path.join(tmp, name), "w") as f:
@@ -668,11 +669,12 @@ def agreement_table(exits, before, after, final_before=None, final_after=None) -
     return "\n".join(rows)
 
 
-def training_card(result: FitResult, config: FitConfig, base_model: str, data_desc: str, n_train: int,
+def training_card(result: FitResult, config: FitConfig, base_model: str | None, data_desc: str, n_train: int,
                   n_heldout: int, block_size: int, world: int = 1, quantized: str | None = None) -> str:
     tokens = config.steps * config.grad_accum * config.batch_size * world * block_size
     lines = [
-        f"Exit heads fitted by self-distillation from `{base_model}`'s own final layer "
+        f"Exit heads fitted by self-distillation from {f'`{base_model}`' if base_model else 'the base model'}'s own "
+        "final layer "
         f"(KL at temperature {config.temperature}"
         + (f", plus next-token cross-entropy weight {config.ce_weight}" if config.ce_weight else "") + ").",
         "",
@@ -713,10 +715,7 @@ def training_card(result: FitResult, config: FitConfig, base_model: str, data_de
 
 # ---------------------------------------------------------------------------------------------------------------- cli
 def build_parser():
-    import argparse
-
-    p = argparse.ArgumentParser(prog="ee-transformers fit", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = ArgumentParser(prog="ee-transformers fit", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="plain Llama/Mistral/Qwen2/Qwen3 folder, or an early-exit folder")
     p.add_argument("--exit-layers", help="comma-separated 0-based layers, e.g. 7,15,22 (default: the folder's)")
     p.add_argument("--exit-head", choices=["norm", "adapter"], help="default: adapter for a plain folder")
@@ -734,18 +733,7 @@ def build_parser():
     q = p.add_mutually_exclusive_group()
     q.add_argument("--load-in-4bit", action="store_true", help="frozen backbone through bitsandbytes 4-bit")
     q.add_argument("--load-in-8bit", action="store_true", help="frozen backbone through bitsandbytes 8-bit")
-    for f in fields(FitConfig):
-        if f.name in ("progress", "merge_lora"):  # --no-progress / --keep-adapters
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        help_ = f.metadata.get("help", "")
-        if f.type in (bool, "bool"):
-            p.add_argument(flag, type=lambda s: s.lower() in ("1", "true", "yes"), default=f.default, help=help_)
-        elif f.name == "lora_alpha":
-            p.add_argument(flag, type=float, default=None, help=help_)
-        else:
-            kind = {"int": int, "float": float, "str": str}.get(f.type if isinstance(f.type, str) else f.type.__name__, str)
-            p.add_argument(flag, type=kind, default=f.default, help=help_)
+    add_config_arguments(p, FitConfig, skip=("progress", "merge_lora"))  # --no-progress / --keep-adapters below
     p.add_argument("--keep-adapters", action="store_true", help="LoRA: save adapters unmerged in <out>/lora_adapter")
     p.add_argument("--no-progress", action="store_true")
     return p
@@ -805,13 +793,7 @@ def _full_precision_copy(args, result, exit_layers, head, rank, config):
 
 
 def main(argv=None):
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    try:
-        return _run(args)
-    except ValueError as error:
-        parser.exit(2, f"ee-transformers fit: error: {error}\n")
+    return run_command(build_parser(), _run, argv)
 
 
 def _run(args):
@@ -819,8 +801,7 @@ def _run(args):
 
     from ee_transformers.training.data import check_block_size, load_blocks
 
-    config_fields = {f.name: getattr(args, f.name) for f in fields(FitConfig) if hasattr(args, f.name)}
-    config = FitConfig(**config_fields, progress=not args.no_progress, merge_lora=not args.keep_adapters)
+    config = config_from_args(FitConfig, args, progress=not args.no_progress, merge_lora=not args.keep_adapters)
     # ---- everything that can be checked before loading weights --------------------------------------------------
     prepare_output_dir(args.out, args.overwrite)
     folder_config = read_config(args.model, "--model")
@@ -900,9 +881,8 @@ def _run(args):
     data_files = expand_paths(args.data)
     data_desc = ", ".join(sorted({os.path.basename(p) for p in data_files})[:8]) + \
         (f" and {len(data_files) - 8} more files" if len(data_files) > 8 else "")
-    base_model = folder_config.get("_name_or_path") or os.path.basename(os.path.normpath(args.model))
-    card = {"base_model": base_model,
-            "training": training_card(result, config, base_model, data_desc, splits.train.shape[0],
+    base_model = (getattr(ee, "card_data", None) or {}).get("base_model")  # from_base read it from the source
+    card = {"training": training_card(result, config, base_model, data_desc, splits.train.shape[0],
                                       splits.heldout.shape[0], args.block_size, accelerator.num_processes,
                                       quantized="4-bit" if args.load_in_4bit else "8-bit" if args.load_in_8bit else None)}
     if adapter_tmp:

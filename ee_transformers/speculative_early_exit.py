@@ -1,0 +1,549 @@
+"""Lossless self-speculative decoding from an exit head, at any batch size.
+
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=128,
+                         assistant_early_exit=16,             # the first 16 decoder layers draft (the exit after layer 15)
+                         num_assistant_tokens=4,              # at most 4 drafts per round
+                         assistant_confidence_threshold=0.4,  # stop drafting once no row's draft head is sure
+                         return_dict_in_generate=True)
+    out.sequences          # greedy: token for token the full model's own greedy generation
+    out.acceptance_rate    # (batch,) share of each row's drafts that the full model accepted
+
+`assistant_early_exit`, `num_assistant_tokens`, `num_assistant_tokens_schedule` and `assistant_confidence_threshold` are
+transformers' GenerationConfig fields, with transformers' meaning and defaults (20 drafts, "constant", 0.4); stored in
+`model.generation_config` they are the model's defaults. `EarlyExitMixin.generate` hands `speculative_generate` to
+transformers' `generate` as `custom_generate`. Below, E is the 0-based exit layer (`assistant_early_exit - 1`, one of
+`config.exit_layers`), L the number of decoder layers, k the number of drafts of a round.
+
+One round, all rows at once:
+
+    draft_step  the row's last token, then each draft, runs layers 0..E once: its K/V there are written for good and
+                the residual leaving E is kept; exit head E proposes the next token (`draft_head`). Drafting stops
+                after k <= K drafts: when no row is still confident (max_prob of its draft, or the learned confidence
+                head when the model has one, below the threshold) or the token budget is spent
+    verify      ONE forward of the k+1 fed tokens through layers E+1..L-1 only, from the kept states (layers <= E
+                never run twice for a token), then the final head: the full model's logits at every fed position
+    accept_*    greedy: the longest prefix of drafts equal to the full model's argmax, plus the full model's own token
+                after it; sampling: speculative sampling (a draft d is kept with probability min(1, p(d) / q(d)); at
+                the first rejection the token is drawn from max(p - q, 0), normalised), so the tokens are distributed
+                exactly as the full model's
+    RaggedBatch each row commits its own number of tokens (1..k+1); stopping criteria and logits processors see each
+                row's own prefix, exactly as in plain generate; the cache keeps the accepted slots only
+
+Ragged rows and rejected K/V. Every row writes a fed token to the same cache slot (transformers' cache layers have one
+write pointer), so a round appends k+1 slots to every layer. Row r keeps the first n_r of them: its last token and its
+accepted drafts. Slots that no row kept are cropped off every layer (`Cache.crop`: at batch 1 that is all of them, and
+the cache is exactly plain generate's). Slots that some rows kept are gaps in the other rows: `RaggedBatch.slots`, a
+per-row mask over the cache slots, is the 2D attention mask of every later forward, and each row's position ids count
+its own kept slots only, so a gap is invisible to attention and to RoPE. Gaps cost attention width only; when the
+removable columns exceed a quarter of the cache, or a static cache would overflow, `RaggedBatch.compact` moves each
+row's kept slots to the right end in order (the usual left-padded layout) and drops the dead columns. Sliding-window
+layers (whose window is counted in slots) are refused.
+
+Part of the Hub runtime: imports only torch, transformers and its siblings.
+"""
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.profiler import record_function
+from transformers.generation.stopping_criteria import MaxLengthCriteria, StoppingCriteriaList
+
+from .generation_early_exit import EXIT_ARGUMENTS, GenerateEarlyExitOutput
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# settings
+# ---------------------------------------------------------------------------------------------------------------------
+SCHEDULES = ("constant", "heuristic", "heuristic_transient")
+
+
+def _is_int(x):
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def speculation_requested(model, generation_config, kwargs) -> bool:
+    """Whether `generate(generation_config=..., **kwargs)` decodes speculatively: `assistant_early_exit` in `kwargs` (an
+    explicit None turns a stored value off, as in transformers), else in `generation_config`, else in
+    `model.generation_config`. Raises a `ValueError` for what it cannot be combined with."""
+    sources = [c for c in (generation_config, model.generation_config) if c is not None]
+    value = kwargs["assistant_early_exit"] if "assistant_early_exit" in kwargs else next(
+        (c.assistant_early_exit for c in sources if getattr(c, "assistant_early_exit", None) is not None), None)
+    if value is None:
+        return False
+
+    def given(name):  # in this call (stored confident-exit defaults are not used by this mode)
+        return kwargs.get(name) is not None or getattr(generation_config, name, None) is not None
+
+    for name in EXIT_ARGUMENTS:
+        if given(name):
+            raise ValueError(f"`assistant_early_exit` cannot be combined with `{name}`: self-speculative decoding always "
+                             "decides at full depth, confident exits stop early. Pass one or the other (stored "
+                             "confident-exit defaults are not used with `assistant_early_exit`).")
+    for name in ("assistant_model", "prompt_lookup_num_tokens"):
+        if given(name):
+            raise ValueError(f"`assistant_early_exit` drafts with the model's own exit head; it cannot be combined "
+                             f"with `{name}`.")
+    return True
+
+
+@dataclass
+class SpeculativeSettings:
+    """Resolved self-speculative settings. exit_layer: E, the 0-based layer whose exit head drafts; exit_index: its
+    position in `config.exit_layers`; num_tokens: K, the most drafts per round (the start value of a heuristic
+    schedule); schedule: "constant" or "heuristic" (K + 2 after a round that accepted every draft, else K - 1, per
+    row); threshold: a row stops drafting when its draft's confidence falls below it (0: never)."""
+
+    exit_layer: int
+    exit_index: int
+    num_tokens: int
+    schedule: str = "constant"
+    threshold: float = 0.0
+
+
+def resolve_speculative_settings(model, generation_config) -> SpeculativeSettings:
+    """Settings from a prepared `GenerationConfig` (transformers' defaults filled in). Raises a `ValueError` naming
+    the argument, the bad value and the allowed values, or what the mode cannot do."""
+    config = model.config
+    exits = list(config.exit_layers or [])
+    value = generation_config.assistant_early_exit
+    if not _is_int(value) or value - 1 not in exits:
+        raise ValueError(f"`assistant_early_exit` is the number of decoder layers that draft and must end at an exit of "
+                         f"this model: allowed values are {[e + 1 for e in exits]} (the exits after 0-based layers "
+                         f"{exits}), got {value!r}.")
+    num_tokens = generation_config.num_assistant_tokens
+    if not _is_int(num_tokens) or num_tokens < 1:
+        raise ValueError(f"`num_assistant_tokens` must be an integer >= 1, got {num_tokens!r}.")
+    schedule = generation_config.num_assistant_tokens_schedule
+    if schedule not in SCHEDULES:
+        raise ValueError(f"`num_assistant_tokens_schedule` must be one of {list(SCHEDULES)}, got {schedule!r}.")
+    threshold = generation_config.assistant_confidence_threshold
+    threshold = 0.0 if threshold is None else threshold
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 <= threshold <= 1.0:
+        raise ValueError(f"`assistant_confidence_threshold` must be a float in [0, 1], got {threshold!r}.")
+    if (generation_config.num_beams or 1) > 1:
+        raise ValueError(f"`assistant_early_exit` does not support beam search (`num_beams="
+                         f"{generation_config.num_beams}`); use greedy or sampling.")
+    for name in ("output_hidden_states", "output_attentions"):
+        if getattr(generation_config, name, False):
+            raise ValueError(f"`{name}=True` is not available with `assistant_early_exit`: tokens are computed in "
+                             "drafts and verification passes, not one forward per token.")
+    if any(model.family.layer_type(config, j) == "sliding_attention" for j in range(config.num_hidden_layers)):
+        raise ValueError("`assistant_early_exit` does not support sliding-window attention layers yet: rows of a batch "
+                         "keep gaps in the cache, and a window counted in cache slots would see the wrong tokens.")
+    schedule = "heuristic" if schedule.startswith("heuristic") else schedule  # K never outlives the call here
+    return SpeculativeSettings(value - 1, exits.index(value - 1), num_tokens, schedule, float(threshold))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the ragged batch
+# ---------------------------------------------------------------------------------------------------------------------
+def _groups(rows, lengths):
+    """[(length, row indices)] for rows of equal length: each group's prefixes are exactly what plain generate shows
+    processors and stopping criteria, which are then called on the whole batch (some hold per-row state, such as the
+    repetition penalty's padding lengths) with the group's rows read back."""
+    by_length = defaultdict(list)
+    for row, length in zip(rows, lengths):
+        by_length[length].append(row)
+    return list(by_length.items())
+
+
+class RaggedBatch:
+    """Rows that advance by different numbers of tokens, over one shared cache (see the module docstring).
+
+    tokens: `(B, width)`, row r's sequence is `tokens[r, :length[r]]` (drafts sit after it while a round runs);
+    slots: `(B, N)` bool, which of the cache's N slots hold row r's tokens; positions: `(B,)` each row's next position
+    id (its number of kept slots); stopped / stop_at: a stopping criterion fired for the row / its length then.
+    pad_mode: rows stop at their own end and get `pad_token_id` after it (generate does this when an EOS criterion is
+    set); otherwise every row runs on to the longest row's end, as plain generate's rows do.
+    """
+
+    def __init__(self, input_ids, attention_mask, max_length, pad_mode, pad_token_id):
+        batch, prompt = input_ids.shape
+        device = input_ids.device
+        self.prompt_length, self.max_length, self.pad_mode, self.pad = prompt, max_length, pad_mode, pad_token_id
+        self.tokens = input_ids.new_full((batch, 2 * max_length - prompt + 1), pad_token_id)
+        self.tokens[:, :prompt] = input_ids
+        self.length = torch.full((batch,), prompt, dtype=torch.long, device=device)
+        self.slots = (torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None
+                      else attention_mask.bool())
+        self.positions = self.slots.sum(-1)
+        self.gapless = bool(self.slots.all())
+        self.stopped = torch.zeros(batch, dtype=torch.bool, device=device)
+        self.stop_at = torch.full((batch,), max_length, dtype=torch.long, device=device)
+
+    @property
+    def batch_size(self):
+        return self.tokens.shape[0]
+
+    @property
+    def active(self) -> torch.Tensor:
+        """`(B,)` rows that still take tokens."""
+        if self.pad_mode:
+            return ~self.stopped
+        end = int(self.stop_at.max()) if bool(self.stopped.all()) else self.max_length
+        return self.length < end
+
+    def last_tokens(self) -> torch.Tensor:
+        return self.tokens.gather(1, (self.length - 1)[:, None]).squeeze(1)
+
+    # what the next forward sees --------------------------------------------------------------------------------------
+    def position_ids(self, offset, q) -> torch.Tensor:
+        """`(B, q)` position ids of fed tokens `offset .. offset + q - 1` of the round."""
+        return self.positions[:, None] + offset + torch.arange(q, device=self.positions.device)
+
+    def attention_mask(self, q):
+        """2D mask over the cache's slots plus `q` new ones, `(B, N + q)`; None without gaps (as generate drops an
+        all-ones mask)."""
+        if self.gapless:
+            return None
+        return torch.cat([self.slots, self.slots.new_ones(self.batch_size, q)], dim=1)
+
+    def process(self, logits_processor, logits, offset):
+        """Scores of `logits` `(B, q, V)` at fed positions `offset ..`: each row's processors see its own prefix (its
+        tokens and the drafts before the position), grouped by length, exactly as plain generate shows them."""
+        if not logits_processor:
+            return logits
+        out = torch.empty_like(logits)
+        lengths = self.length.tolist()
+        for j in range(logits.shape[1]):
+            for length, rows in _groups(range(self.batch_size), [n + offset + j for n in lengths]):
+                idx = torch.tensor(rows, device=logits.device)
+                scores = logits_processor(self.tokens[:, :length], logits[:, j].clone())  # clone: processors may write
+                out[idx, j] = scores.index_select(0, idx)
+        return out
+
+    def write_draft(self, i, tokens):
+        """Draft i (0-based) of every row, after its sequence, where processors of later positions see it."""
+        self.tokens.scatter_(1, (self.length + i)[:, None], tokens[:, None])
+
+    # committing a round ----------------------------------------------------------------------------------------------
+    def commit(self, new, counts, stopping_criteria) -> torch.Tensor:
+        """Appends `new[r, :counts[r]]` to every active row, applies the stopping criteria per row and token, and returns
+        the numbers of tokens appended `(B,)`."""
+        counts = torch.minimum(counts, self.max_length - self.length) * self.active
+        index = self.length[:, None] + torch.arange(new.shape[1], device=new.device)
+        self.tokens.scatter_(1, index, new)
+        if stopping_criteria:
+            counts = self._stop(counts, stopping_criteria)
+        reached = ~self.stopped & (self.length + counts >= self.max_length)
+        self.stop_at = torch.where(reached, self.max_length, self.stop_at)
+        self.stopped |= reached
+        self.length += counts
+        return counts
+
+    def _stop(self, counts, criteria):
+        """Each row's criteria after each of its new tokens, on its own prefix; a row stops at the first that fires."""
+        n, stopped, length = counts.tolist(), self.stopped.tolist(), self.length.tolist()
+        stop_at = self.stop_at.tolist()
+        for j in range(max(n, default=0)):
+            rows = [r for r in range(self.batch_size) if j < n[r] and not stopped[r]]
+            for ell, group in _groups(rows, [length[r] + j + 1 for r in rows]):
+                fired = criteria(self.tokens[:, :ell], None).tolist()
+                for r in group:
+                    if fired[r]:
+                        stopped[r], stop_at[r] = True, ell
+                        if self.pad_mode:
+                            n[r] = j + 1
+        device = counts.device
+        self.stopped = torch.tensor(stopped, device=device)
+        self.stop_at = torch.tensor(stop_at, device=device)
+        return torch.tensor(n, device=device)
+
+    def keep(self, cache, counts, fed):
+        """After a round that fed `fed` tokens to every row, row r keeps the first `counts[r]` of their slots; slots no
+        row kept are cropped off every layer, the others are gaps in the rows that did not keep them."""
+        width = int(counts.max())
+        if fed > width:
+            cache.crop(width - fed)
+        kept = torch.arange(width, device=counts.device) < counts[:, None]
+        self.slots = torch.cat([self.slots, kept], dim=1)
+        self.positions = self.positions + counts
+        self.gapless = self.gapless and bool(kept.all())
+
+    def _needed(self, active):
+        """Slots each row still needs: all it kept while it takes tokens, one once it has ended (so that its query,
+        fed along with the batch's, still attends to something)."""
+        return int(torch.where(active, self.positions, 1).max())
+
+    def wants_compaction(self, capacity, fed, active):
+        """Whether the dead columns are worth removing (over a quarter of the cache) or must go (a static cache of
+        `capacity` slots would not hold `fed` more)."""
+        n = self.slots.shape[1]
+        dead = n - self._needed(active)
+        return dead > 0 and (4 * dead > n or 0 < capacity < n + fed)
+
+    def compact(self, cache, active):
+        """Moves every row's kept slots to the right end, in order, in every layer, and drops the dead columns (an
+        ended row keeps only its latest slots)."""
+        n, width = self.slots.shape[1], self._needed(active)
+        order = torch.sort(self.slots.to(torch.uint8), dim=1, stable=True).indices[:, n - width:]  # (B, width)
+        for layer in cache.layers:
+            keys, values = layer.keys[:, :, :n], layer.values[:, :, :n]
+            index = order[:, None, :, None]
+            keys = keys.gather(2, index.expand(-1, keys.shape[1], -1, keys.shape[3]))
+            values = values.gather(2, index.expand(-1, values.shape[1], -1, values.shape[3]))
+            layer.crop(-n)
+            layer.update(keys, values)  # the layer's own write: dynamic layers concatenate, static ones copy in place
+        self.slots = self.slots.gather(1, order)
+        self.gapless = bool(self.slots.all())
+
+    def sequences(self):
+        """`(B, P + steps)`, as plain generate returns them: in pad mode each row ends at its own end and is padded
+        after it; otherwise every row runs to the longest row's end."""
+        width = int(self.length.max()) if self.pad_mode else int(self.stop_at.max())
+        out = self.tokens[:, :width]
+        if self.pad_mode:
+            out = out.masked_fill(torch.arange(width, device=out.device) >= self.length[:, None], self.pad)
+        return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the steps
+# ---------------------------------------------------------------------------------------------------------------------
+def prefill(model, input_ids, attention_mask, position_ids, cache):
+    """Every layer runs for every prompt position (the prompt's K/V complete in every layer); returns the final head's
+    logits at the last position, `(B, V)` in float32."""
+    fam = model.family
+    h = fam.embed(model, input_ids, position_ids)  # (B, P, D)
+    inputs = fam.layer_inputs(model, h, attention_mask, cache, position_ids)
+    for j in range(model.config.num_hidden_layers):
+        with record_function("ee::layer"):
+            h = fam.run_layer(model, j, h, inputs, cache)
+    with record_function("ee::final_head"):
+        return fam.head_logits(model, fam.final_norm(model)(h[:, -1])).float()
+
+
+def draft_step(model, exit_layer, tokens, batch, cache, i):
+    """Feeds `tokens` `(B,)`, fed token i of the round, through layers 0..E only: their K/V land in the round's slot
+    i of those layers, for good. Returns the residual stream leaving E, `(B, 1, D)`."""
+    fam = model.family
+    position_ids = batch.position_ids(i, 1)
+    h = fam.embed(model, tokens[:, None], position_ids)
+    inputs = fam.layer_inputs(model, h, batch.attention_mask(i + 1), cache, position_ids)
+    for j in range(exit_layer + 1):
+        with record_function("ee::layer"):
+            h = fam.run_layer(model, j, h, inputs, cache)
+    return h
+
+
+def draft_head(model, settings, h):
+    """Exit head E on `h` `(B, D)`: its logits `(B, V)` (float32) and the learned confidence `(B,)` when the model has
+    confidence heads (else None)."""
+    with record_function("ee::draft_head"):
+        head_out = model.exit_heads[settings.exit_index](h)
+        logits = model.family.head_logits(model, head_out).float()
+        heads = getattr(model, "confidence_heads", None)
+        return logits, None if heads is None else heads[settings.exit_index](head_out)
+
+
+def verify(model, exit_layer, states, batch, cache):
+    """ONE forward of the round's fed tokens through layers E+1..L-1, from `states` `(B, q, D)` (the residual leaving E
+    for each), against those layers' cache (the kept past); returns the final head's logits `(B, q, V)` (float32)."""
+    fam = model.family
+    position_ids = batch.position_ids(0, states.shape[1])
+    inputs = fam.layer_inputs(model, states, batch.attention_mask(states.shape[1]), cache, position_ids,
+                              layer_idx=exit_layer + 1)  # masks sized from layer E+1's cache, which lacks the round
+    h = states
+    for j in range(exit_layer + 1, model.config.num_hidden_layers):
+        with record_function("ee::layer"):
+            h = fam.run_layer(model, j, h, inputs, cache)
+    with record_function("ee::final_head"):
+        return fam.head_logits(model, fam.final_norm(model)(h)).float()
+
+
+def accept_greedy(scores, drafts):
+    """`scores` `(B, k+1, V)`: the full model's at the fed positions; `drafts` `(B, k)`. Returns (accepted `(B,)`,
+    next `(B,)`): the longest prefix of drafts equal to the full model's argmax, and its own token after it."""
+    target = scores.argmax(-1)  # (B, k+1)
+    accepted = (drafts == target[:, :-1]).long().cumprod(-1).sum(-1)
+    return accepted, target.gather(1, accepted[:, None]).squeeze(1)
+
+
+def accept_sampled(p, q, drafts):
+    """Speculative sampling. `p` `(B, k+1, V)`: the full model's probabilities at the fed positions; `q` `(B, k, V)`:
+    the draft head's, from which `drafts` `(B, k)` were drawn. Draft i is kept with probability min(1, p_i(d) /
+    q_i(d)) while all before it were; at the first rejection the token is drawn from max(p - q, 0) normalised, after
+    k kept drafts from p. The tokens are then distributed exactly as under p. Returns (accepted `(B,)`, next `(B,)`)."""
+    k = drafts.shape[1]
+    index = drafts[..., None]
+    p_draft, q_draft = p[:, :k].gather(-1, index).squeeze(-1), q.gather(-1, index).squeeze(-1)
+    kept = torch.rand_like(q_draft) * q_draft <= p_draft  # u <= p / q without dividing; q(d) > 0 as d was drawn
+    accepted = kept.long().cumprod(-1).sum(-1)
+    rows = torch.arange(p.shape[0], device=p.device)
+    p_next = p[rows, accepted]
+    q_next = nn.functional.pad(q, (0, 0, 0, 1))[rows, accepted]  # zeros after the last draft: the bonus comes from p
+    residual = (p_next - q_next).clamp_min(0)
+    total = residual.sum(-1, keepdim=True)
+    residual = torch.where(total > 0, residual / total.clamp_min(1e-30), p_next)  # p == q cannot reject; guarded
+    return accepted, torch.multinomial(residual, 1).squeeze(1)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the generate loop
+# ---------------------------------------------------------------------------------------------------------------------
+@dataclass
+class GenerateSpeculativeOutput(GenerateEarlyExitOutput):
+    """`GenerateEarlyExitOutput` of self-speculative decoding (every token is decided by the final head, so
+    `exit_layers` is `num_hidden_layers - 1` for every token, -1 after a row's end), plus per row `(batch,)`:
+    `draft_tokens` (drafts verified for the row), `accepted_tokens` (those it kept), `verify_rounds` (rounds it took
+    part in); and `draft_lengths` `(rounds,)`: the drafts of each round (batch-wide). A round gives a row its accepted
+    drafts plus one token of the full model, unless a stop comes first."""
+
+    draft_tokens: torch.LongTensor | None = None
+    accepted_tokens: torch.LongTensor | None = None
+    verify_rounds: torch.LongTensor | None = None
+    draft_lengths: torch.LongTensor | None = None
+
+    @property
+    def acceptance_rate(self) -> torch.Tensor:
+        """`(batch,)` share of each row's drafts the full model accepted."""
+        return self.accepted_tokens.double() / self.draft_tokens.clamp_min(1).double()
+
+    @property
+    def mean_accepted_length(self) -> torch.Tensor:
+        """`(batch,)` accepted drafts per verification round (tokens per round: one more)."""
+        return self.accepted_tokens.double() / self.verify_rounds.clamp_min(1).double()
+
+
+def _record(buffer, values, before, counts):
+    """Writes `values[r, j]` `(B, q, V)` for the committed tokens j < counts[r] at step `before[r] + j`."""
+    if buffer is None:
+        return
+    r, j = (torch.arange(values.shape[1], device=counts.device) < counts[:, None]).nonzero(as_tuple=True)
+    buffer[r, before[r] + j] = values[r, j]
+
+
+def speculative_generate(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
+                         spec_streamer=None, **model_kwargs):
+    """The decoding loop of `generate(assistant_early_exit=...)` (passed as `custom_generate`): prefill at full depth,
+    then rounds of draft, verify, accept, commit until every row has stopped."""
+    settings = resolve_speculative_settings(model, generation_config)
+    cache = model_kwargs.get("cache")
+    if not model_kwargs.get("use_cache", True) or cache is None:
+        raise ValueError("`assistant_early_exit` needs a KV cache: call generate with `use_cache=True`.")
+    if cache.get_seq_length() > 0:
+        raise ValueError("`assistant_early_exit` starts from an empty cache; pass no `cache` holding a prefix.")
+    if not cache.is_croppable:
+        raise ValueError(f"`assistant_early_exit` needs a cache whose rejected slots can be cropped; "
+                         f"{type(cache).__name__} cannot be.")
+    if spec_streamer is not None and input_ids.shape[0] > 1:
+        raise ValueError("A streamer takes one row's tokens; with `assistant_early_exit` rows of a batch advance by "
+                         "different amounts, so stream at batch size 1.")
+    sample = generation_config.do_sample
+    exit_layer, num_layers = settings.exit_layer, model.config.num_hidden_layers
+    pad = generation_config._pad_token_tensor
+    max_length = min([generation_config.max_length] +
+                     [c.max_length for c in stopping_criteria if isinstance(c, MaxLengthCriteria)])
+    criteria = StoppingCriteriaList([c for c in stopping_criteria if not isinstance(c, MaxLengthCriteria)])
+    pad_mode = any(hasattr(c, "eos_token_id") for c in stopping_criteria)  # as plain generate decides it
+    batch = RaggedBatch(input_ids, model_kwargs.get("attention_mask"), max_length, pad_mode,
+                        int(pad) if pad is not None else 0)
+    size, prompt = input_ids.shape
+    device = input_ids.device
+    return_dict = generation_config.return_dict_in_generate
+    steps = max_length - prompt
+    buffers = [torch.zeros(size, steps, model.config.vocab_size, device=device)
+               if return_dict and getattr(generation_config, name) else None for name in ("output_scores", "output_logits")]
+
+    def choose(scores):  # (B, V) -> a token per row
+        if sample:
+            return torch.multinomial(scores.softmax(-1), 1).squeeze(1)
+        return scores.argmax(-1)
+
+    if spec_streamer is not None:  # generate streams the prompt itself only when it keeps the streamer
+        spec_streamer.put(input_ids.cpu())
+    position_ids = model_kwargs.get("position_ids")
+    if position_ids is None:  # as generate builds them
+        position_ids = (batch.slots.long().cumsum(-1) - 1).masked_fill(~batch.slots, 0)
+    logits = prefill(model, input_ids, model_kwargs.get("attention_mask"), position_ids, cache)[:, None]  # (B, 1, V)
+    scores = batch.process(logits_processor, logits, 0)
+    before = batch.length - prompt
+    counts = batch.commit(choose(scores[:, 0])[:, None], torch.ones_like(batch.length), criteria)
+    for buffer, values in zip(buffers, (scores, logits)):
+        _record(buffer, values, before, counts)
+    if spec_streamer is not None:
+        spec_streamer.put(batch.last_tokens().cpu())
+
+    drafted, accepted_total, rounds = (torch.zeros(size, dtype=torch.long, device=device) for _ in range(3))
+    draft_lengths = []
+    row_budget = torch.full((size,), settings.num_tokens, dtype=torch.long, device=device)  # per-row K (heuristic)
+    adaptive = settings.threshold > 0 or settings.schedule != "constant"
+    capacity = cache.get_max_length()  # static caches: slots available; dynamic: -1
+    while bool((active := batch.active).any()):
+        room = int((max_length - batch.length)[active].max()) - 1  # drafts beyond it could never be committed
+        k = min(int(row_budget[active].max()), room)
+        if batch.wants_compaction(capacity, k + 1, active):
+            batch.compact(cache, active)
+        if capacity > 0:
+            k = min(k, capacity - batch.slots.shape[1] - 1)
+
+        with record_function("ee::draft"):
+            token, states, drafts, q = batch.last_tokens(), [], [], []
+            drafting = active.clone()  # rows that still want drafts this round
+            for i in range(k + 1):
+                states.append(draft_step(model, exit_layer, token, batch, cache, i))
+                if i == k:
+                    break  # the last draft only needed its state for verification
+                draft_logits, learned = draft_head(model, settings, states[-1][:, -1])
+                draft_scores = batch.process(logits_processor, draft_logits[:, None], i)[:, 0]
+                probs = draft_scores.softmax(-1) if sample or (adaptive and learned is None) else None
+                token = torch.multinomial(probs, 1).squeeze(1) if sample else draft_scores.argmax(-1)
+                drafts.append(token)
+                if sample:
+                    q.append(probs)
+                batch.write_draft(i, token)
+                if adaptive:
+                    confidence = learned if learned is not None else probs.max(-1).values
+                    drafting &= (row_budget > i + 1) & (confidence >= settings.threshold)
+                    if not bool(drafting.any()):
+                        k = i + 1
+
+        logits = verify(model, exit_layer, torch.cat(states, dim=1), batch, cache)  # (B, k+1, V)
+        with record_function("ee::accept"):
+            scores = batch.process(logits_processor, logits, 0)
+            drafts = torch.stack(drafts, 1) if drafts else batch.tokens.new_zeros(size, 0)
+            if sample:
+                q = torch.stack(q, 1) if q else scores.new_zeros(size, 0, scores.shape[-1])
+                accepted, following = accept_sampled(scores.softmax(-1), q, drafts)
+            else:
+                accepted, following = accept_greedy(scores, drafts)
+            new = torch.cat([drafts, following[:, None]], dim=1).scatter(1, accepted[:, None], following[:, None])
+            before = batch.length - prompt
+            counts = batch.commit(new, accepted + 1, criteria)
+            batch.keep(cache, counts, k + 1)
+        for buffer, values in zip(buffers, (scores, logits)):
+            _record(buffer, values, before, counts)
+        if spec_streamer is not None and int(counts[0]):
+            spec_streamer.put(new[:, : int(counts[0])].cpu())
+
+        drafted += k * active
+        accepted_total += torch.minimum(accepted, counts) * active
+        rounds += active.long()
+        draft_lengths.append(k)
+        if settings.schedule == "heuristic":  # transformers' rule, per row: all drafts kept -> K + 2, else K - 1
+            grown = torch.where(accepted == k, row_budget + 2, (row_budget - 1).clamp_min(1)).clamp_max(steps)
+            row_budget = torch.where(active, grown, row_budget)
+
+    if spec_streamer is not None:
+        spec_streamer.end()
+    sequences = batch.sequences()
+    if not return_dict:
+        return sequences
+    new_steps = sequences.shape[1] - prompt
+    exit_layers = torch.full((size, new_steps), num_layers - 1, dtype=torch.long, device=device)
+    if pad_mode:
+        ended = torch.arange(new_steps, device=device) >= (batch.length - prompt)[:, None]
+        exit_layers = exit_layers.masked_fill(ended, -1)
+    scores, raw_logits = (None if b is None else tuple(b[:, s] for s in range(new_steps)) for b in buffers)
+    return GenerateSpeculativeOutput(sequences=sequences, scores=scores, logits=raw_logits, cache=cache,
+                                     exit_layers=exit_layers, draft_tokens=drafted, accepted_tokens=accepted_total,
+                                     verify_rounds=rounds, draft_lengths=torch.tensor(draft_lengths, dtype=torch.long))
+
+
+__all__ = [
+    "GenerateSpeculativeOutput", "RaggedBatch", "SCHEDULES", "SpeculativeSettings", "accept_greedy", "accept_sampled",
+    "draft_head", "draft_step", "prefill", "resolve_speculative_settings", "speculation_requested",
+    "speculative_generate", "verify",
+]

@@ -1,0 +1,5 @@
+import sys
+
+from ee_transformers.tools.assets.cli import main
+
+sys.exit(main())

@@ -1,0 +1,55 @@
+"""`ee-transformers fetch-assets`: the model and the text, into the cache."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from ee_transformers.tools.assets.cache import cache_folder
+from ee_transformers.tools.assets.model import fetch_model
+from ee_transformers.tools.assets.text import fetch_text
+
+
+def fetch_assets(cache_dir: str | os.PathLike | None = None, force: bool = False) -> dict:
+    """Fetch the model and the text; return ``{"model": folder, "austen": [paths], "python": [paths]}``."""
+    cache = cache_folder(cache_dir)
+    print(f"[ee-transformers assets] cache: {cache}", flush=True)
+    model = fetch_model(cache, force=force, progress=True)
+    text = fetch_text(cache, force=force, progress=True)
+    return {"model": model, **text}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``ee-transformers fetch-assets [--cache-dir DIR] [--force] [--model-only | --text-only]``."""
+    parser = argparse.ArgumentParser(prog="ee-transformers fetch-assets",
+                                     description="Fetch SmolLM2-135M-Instruct and real English text into a cache.")
+    parser.add_argument("--cache-dir", default=None,
+                        help="cache folder (default: $EE_TRANSFORMERS_CACHE or ~/.cache/ee-transformers)")
+    parser.add_argument("--force", action="store_true", help="rebuild even if already cached")
+    only = parser.add_mutually_exclusive_group()
+    only.add_argument("--model-only", action="store_true", help="fetch only the model")
+    only.add_argument("--text-only", action="store_true", help="fetch only the text")
+    args = parser.parse_args(argv)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        if args.model_only:
+            print(fetch_model(args.cache_dir, force=args.force))
+        elif args.text_only:
+            for group, paths in fetch_text(args.cache_dir, force=args.force).items():
+                print(group, *paths, sep="\n  ")
+        else:
+            found = fetch_assets(args.cache_dir, force=args.force)
+            print(f"model: {found['model']}")
+            for group in ("austen", "python"):
+                print(f"{group}:", *found[group], sep="\n  ")
+    except RuntimeError as error:
+        print(f"ee-transformers fetch-assets: error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

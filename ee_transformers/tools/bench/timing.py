@@ -1,0 +1,268 @@
+"""Timing and comparison: plain and early-exit generate interleaved on the same batches, paired ratios of decoding
+milliseconds per step, greedy agreement, exit statistics and the ideal speed-up of the exits that happened."""
+
+import copy
+import math
+import statistics
+import time
+from collections import defaultdict
+from types import SimpleNamespace
+
+import torch
+
+from ee_transformers.generation_early_exit import ExitStats, merged_exit_values, resolve_exit_settings
+from ee_transformers.tools.bench.config import BenchConfig, Variant
+from ee_transformers.tools.bench.forced import ForcedExits, forced_profile
+from ee_transformers.tools.bench.loading import make_batches
+from ee_transformers.tools.costs import ideal_speedup
+from ee_transformers.tools.quality import full_model_view, identical_share, perplexity
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _generate_kwargs(model, variant):
+    """generate() exit arguments of a variant (a fresh forced-profile callable for forced ones)."""
+    kwargs = dict(variant.exit_kwargs)
+    forced = variant.forced
+    if forced is not None:
+        profile = forced_profile(forced["profile"], model, per_row=kwargs.get("exit_policy") == "row",
+                                 seed=forced.get("seed", 0))
+        kwargs.update(exit_criterion=ForcedExits(profile), exit_check_layers=profile.check_layers)
+    return kwargs
+
+
+def _generation_config(model, new_tokens):
+    """Greedy, exactly `new_tokens` tokens: EOS does not stop a row, so plain and early-exit runs decode the same
+    number of steps whatever they generate (agreement is still scored up to the plain row's first EOS)."""
+    config = copy.deepcopy(model.generation_config)
+    eos = _eos_ids(model)
+    if config.pad_token_id is None:
+        config.pad_token_id = eos[0] if eos else 0
+    config.update(max_new_tokens=new_tokens, min_new_tokens=None, do_sample=False, num_beams=1,
+                  return_dict_in_generate=True, eos_token_id=None, temperature=None, top_p=None, top_k=None)
+    return config
+
+
+class _PrefillTimer:
+    """Times the prefill of a generate: from the first input-embedding call to the second (the start of the first
+    decoding step), through a forward pre-hook on the embeddings, so it works alike for the plain loop and the
+    early-exit loop (which does not call `model.forward`)."""
+
+    def __init__(self, model):
+        self.model, self.calls, self.seconds = model, 0, 0.0
+
+    def _hook(self, module, args):
+        self.calls += 1
+        if self.calls <= 2:
+            _sync(self.model.device)
+            now = time.perf_counter()
+            self.seconds = now - self.start if self.calls == 2 else 0.0
+            self.start = now
+
+    def __enter__(self):
+        self.handle = self.model.get_input_embeddings().register_forward_pre_hook(self._hook)
+        return self
+
+    def __exit__(self, *exc):
+        self.handle.remove()
+
+
+@torch.no_grad()
+def _timed_generate(model, batch, new_tokens, kwargs):
+    """One greedy generate. Returns (total seconds, prefill seconds, new tokens, output)."""
+    ids, mask, _ = batch
+    generation_config = _generation_config(model, new_tokens)
+    with _PrefillTimer(model) as prefill:
+        _sync(ids.device)
+        start = time.perf_counter()
+        out = model.generate(ids, attention_mask=mask, generation_config=generation_config, **kwargs)
+        _sync(ids.device)
+        seconds = time.perf_counter() - start
+    steps = out.sequences.shape[1] - ids.shape[1]
+    return seconds, prefill.seconds, steps, out
+
+
+def _decode_ms(seconds, prefill_seconds, steps):
+    """ms per decoding step after the prefill (the prefill makes the first token; `steps - 1` steps follow)."""
+    return 1e3 * (seconds - prefill_seconds) / max(steps - 1, 1)
+
+
+def _eos_ids(model):
+    eos = model.generation_config.eos_token_id
+    return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+
+
+def agreement(plain_new, ee_new, eos_ids=()):
+    """Identical-token share with full depth, per row (`ee_transformers.tools.quality.identical_share`): matches,
+    compared positions (up to the plain row's first EOS) and tokens until the first divergence."""
+    return identical_share(plain_new, ee_new, eos_ids)
+
+
+def _quality(views, plain_views):
+    """Per-token agreement (full model's choice given the early-exit prefix) and the full model's perplexity of the
+    early-exit continuation next to that of its own (see `ee_transformers.tools.quality`)."""
+    tokens, plain_tokens = sum(v["tokens"] for v in views), sum(v["tokens"] for v in plain_views)
+    return {"per_token_agreement": sum(v["agree"] for v in views) / max(tokens, 1),
+            "continuation_ppl": perplexity(sum(v["nll"] for v in views), tokens),
+            "full_depth_ppl": perplexity(sum(v["nll"] for v in plain_views), plain_tokens)}
+
+
+def _summarise(values):
+    values = [v for v in values if v is not None and not math.isnan(v)]
+    if not values:
+        return {"median": math.nan, "min": math.nan, "max": math.nan, "values": []}
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "values": [round(v, 4) for v in values]}
+
+
+def _exit_summary(model, exit_layers):
+    """Exit statistics of measured exit layers (a list of `(batch, steps)` tensors, one per run)."""
+    stats = ExitStats.from_exit_layers(torch.cat([e.flatten() for e in exit_layers]), model.config.num_hidden_layers)
+    return {"mean_exit_layer": stats.mean_exit_layer, "histogram": {str(k): v for k, v in stats.histogram.items()},
+            "compute_saved": stats.compute_saved, "tokens": stats.num_tokens}
+
+
+def _settings(model, exit_kwargs):
+    """The resolved exit settings of generate(**exit_kwargs) on `model` (None: full depth)."""
+    return resolve_exit_settings(model.config, merged_exit_values(model, None, dict(exit_kwargs)))
+
+
+def _ideal(settings, exit_layers, costs):
+    if settings is None or costs is None:
+        return 1.0 if settings is None else math.nan
+    return ideal_speedup(costs, exit_layers, settings.check_layers, settings.criterion.name, settings.needs_logits,
+                         settings.kv, include_prefill=False)
+
+
+def compare_many(ee_model, plain_model, batches, variants, config=None, repeats=None, costs=None, log=None):
+    """Times plain generate and each of `variants`, interleaved, on every batch, `repeats` rounds.
+
+    batches: from `make_batches`; variants: `Variant`s; config: a `BenchConfig` (its `new_tokens`, `warmup`, and
+    `repeats` unless `repeats` is given); costs: `measure_costs(...)` for the ideal speed-ups (NaN without).
+    Each round runs plain, v1, plain, v2, ..., plain (the variants reversed on odd rounds); a variant's ratio is the
+    mean ms per decoding step of its two neighbouring plain runs over its own. Returns one result dict per variant.
+    """
+    config = config or BenchConfig()
+    new_tokens, repeats = config.new_tokens, repeats or config.repeats
+    batch_size = batches[0][0].shape[0]
+    eos = _eos_ids(plain_model)
+    if config.warmup:  # first calls pay one-off allocation and dispatch costs
+        for batch in batches[:1]:
+            _timed_generate(plain_model, batch, min(new_tokens, 3), {})
+            for variant in variants:
+                _timed_generate(ee_model, batch, min(new_tokens, 3), _generate_kwargs(ee_model, variant))
+    per = [defaultdict(list) for _ in variants]
+    plain_ms = []
+    # one set of generate arguments per variant for the whole comparison: a forced profile's stratified draws run on
+    # across its runs, so together they follow the profile's shares
+    variant_kwargs = [_generate_kwargs(ee_model, variant) for variant in variants]
+    for r in range(repeats):
+        for b, batch in enumerate(batches):
+            # plain, c1, plain, c2, ..., ck, plain: each configuration sits between two plain runs, so a slow
+            # drift of the machine cancels in its ratio; the configurations' order flips every repeat
+            order = list(range(len(variants)))
+            if r % 2:
+                order.reverse()
+            plain_runs, timings = [], {}
+            seconds, prefill, steps, plain_out = _timed_generate(plain_model, batch, new_tokens, {})
+            plain_out = SimpleNamespace(sequences=plain_out.sequences.cpu())
+            plain_runs.append((_decode_ms(seconds, prefill, steps), 1e3 * seconds))
+            for k in order:
+                seconds, prefill, steps, out = _timed_generate(ee_model, batch, new_tokens, variant_kwargs[k])
+                out = SimpleNamespace(sequences=out.sequences.cpu(), exit_layers=out.exit_layers.cpu())  # no cache
+                before = plain_runs[-1]
+                seconds_p, prefill_p, steps_p, _ = _timed_generate(plain_model, batch, new_tokens, {})
+                plain_runs.append((_decode_ms(seconds_p, prefill_p, steps_p), 1e3 * seconds_p))
+                after = plain_runs[-1]
+                timings[k] = (_decode_ms(seconds, prefill, steps), 1e3 * seconds, out,
+                              (before[0] + after[0]) / 2, (before[1] + after[1]) / 2)
+            plain_ms += [ms for ms, _ in plain_runs]
+            prompt_length = batch[0].shape[1]
+            for k in range(len(variants)):
+                ee_step_ms, ee_total_ms, out, plain_step_ms, plain_total_ms = timings[k]
+                record = per[k]
+                record["ratio"].append(plain_step_ms / ee_step_ms)
+                record["e2e_ratio"].append(plain_total_ms / ee_total_ms)
+                record["ee_ms"].append(ee_step_ms)
+                record["exit_layers"].append(out.exit_layers.cpu())
+                settings = _settings(ee_model, variant_kwargs[k])
+                ideal = _ideal(settings, out.exit_layers.cpu(), costs)
+                record["ideal"].append(ideal)
+                record["realised_over_ideal"].append(plain_step_ms / ee_step_ms / ideal if ideal else math.nan)
+                if r == 0:  # greedy decoding is deterministic: one repeat gives the quality figures
+                    rows = agreement(plain_out.sequences[:, prompt_length:].cpu(),
+                                     out.sequences[:, prompt_length:].cpu(), eos)
+                    for row, domain in zip(rows, batch[2]):
+                        record["agreement_rows"].append({**row, "domain": domain})
+                    mask = batch[1]
+                    record["views"].append(full_model_view(plain_model, out.sequences.to(mask.device), prompt_length,
+                                                           mask, eos))
+                    record["plain_views"].append(full_model_view(plain_model, plain_out.sequences.to(mask.device),
+                                                                 prompt_length, mask, eos))
+            if log:
+                log(f"  batch {batch_size} repeat {r + 1}/{repeats} batch {b + 1}/{len(batches)}: plain "
+                    f"{statistics.median(ms for ms, _ in plain_runs):.1f} ms/step; " + ", ".join(
+                        f"{variants[k].name} {per[k]['ratio'][-1]:.2f}x" for k in range(len(variants))))
+    results = []
+    for variant, record in zip(variants, per):
+        settings = _settings(ee_model, _generate_kwargs(ee_model, variant))
+        rows = record["agreement_rows"]
+        compared = sum(r["compared"] for r in rows)
+        by_domain = {}
+        for domain in sorted({r["domain"] for r in rows}):
+            sub = [r for r in rows if r["domain"] == domain]
+            by_domain[domain] = sum(r["matches"] for r in sub) / max(sum(r["compared"] for r in sub), 1)
+        result = {
+            "name": variant.name,
+            "kind": variant.kind,
+            "batch_size": batch_size,
+            "new_tokens": new_tokens,
+            "repeats": repeats,
+            "exit_kwargs": dict(variant.exit_kwargs),
+            "forced": variant.forced,
+            "criterion": None if settings is None else settings.criterion.name,
+            "policy": None if settings is None else settings.policy,
+            "kv": None if settings is None else settings.kv,
+            "check_layers": None if settings is None else settings.check_layers,
+            "speedup": _summarise(record["ratio"]),
+            "speedup_end_to_end": _summarise(record["e2e_ratio"]),
+            "plain_ms_per_step": _summarise(plain_ms),  # decoding steps, prefill excluded
+            "ee_ms_per_step": _summarise(record["ee_ms"]),
+            "agreement": {
+                "share": sum(r["matches"] for r in rows) / max(compared, 1),
+                "first_divergence": statistics.mean(r["first_divergence"] for r in rows) if rows else math.nan,
+                "compared_tokens": compared,
+                "by_domain": by_domain,
+            },
+            "quality": _quality(record["views"], record["plain_views"]),
+            "exits": _exit_summary(ee_model, record["exit_layers"]),
+            "ideal_speedup": _summarise(record["ideal"]),
+            "realised_over_ideal": _summarise(record["realised_over_ideal"]),
+        }
+        if variant.forced is not None:
+            profile = _generate_kwargs(ee_model, variant)["exit_criterion"].targets
+            result["forced"] = {**variant.forced, "layers": {str(k): v for k, v in profile.layers.items()},
+                                "requested_mean_exit_layer": profile.mean_exit_layer}
+        results.append(result)
+    return results
+
+
+def compare(ee_model, plain_model, prompts, exit_kwargs=None, config=None, batch_size=1, name="early exit",
+            costs=None):
+    """Paired, interleaved comparison of one early-exit way of decoding with plain generate (see `compare_many`).
+
+    prompts: from `heldout_prompts` (or `[{"domain", "ids"}]`); exit_kwargs: generate() exit arguments, e.g.
+    `{"exit_criterion": "max_prob", "exit_threshold": 0.9}`, `{}` for the calibrated settings the model stores,
+    `{"early_exit": False}` for full depth through the early-exit class; `exit_forced` may be a profile name.
+    config: a `BenchConfig` (`new_tokens`, `repeats`, `max_batches[0]` batches of `batch_size`).
+    """
+    config = config or BenchConfig()
+    exit_kwargs = dict(exit_kwargs or {})
+    forced = None
+    if isinstance(exit_kwargs.get("exit_forced"), (str, dict)):
+        forced = {"profile": exit_kwargs.pop("exit_forced")}
+    variant = Variant(name, "custom", exit_kwargs, forced)
+    batches = make_batches(prompts, batch_size, config.max_batches[0], device=ee_model.device)
+    return compare_many(ee_model, plain_model, batches, [variant], config, costs=costs)[0]

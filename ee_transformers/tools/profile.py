@@ -1,0 +1,280 @@
+"""`ee-transformers profile`: where do tokens exit under a model's exit settings, and how deep must a lean model be?
+
+Teacher-forced and batched: every text is cut into windows, each window runs once at full depth (so every position
+sees exact context), and each real position decides at the first checked exit whose criterion holds, as a token
+decoded alone would (the row policy's decision; the batch policy can only decide later). The result is the histogram
+of deciding layers, the share of tokens that needs each depth, and `recommend(coverage)`: the shallowest exit that
+covers the target share of decisions (else the last layer), the `exit_max_layer` to load a lean model with.
+
+    profile = eet.profile_exits(model, tokenizer, texts)       # writes exit_profile.json / .png next to the model
+    lean = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True,
+                                                exit_max_layer=profile.recommend(coverage=0.95))
+
+    ee-transformers profile FOLDER --data notes.txt more.txt --coverage 0.95
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ee_transformers.generation_early_exit import (
+    EXIT_FIELDS,
+    StepState,
+    check_exit,
+    merged_exit_values,
+    resolve_exit_settings,
+)
+from ee_transformers.lean_early_exit import is_lean
+
+__all__ = ["ExitProfile", "PROFILE_FILE", "main", "plot_profile", "profile_exits"]
+
+PROFILE_FILE = "exit_profile.json"
+
+
+@dataclass
+class ExitProfile:
+    """Deciding layers of `num_tokens` teacher-forced tokens.
+
+    histogram: {decided layer: tokens} (`num_layers - 1` = full depth); exit_layers: the model's exits; settings: the
+    exit settings profiled (JSON-friendly).
+    """
+
+    num_layers: int
+    exit_layers: list
+    histogram: dict
+    settings: dict = field(default_factory=dict)
+    texts: int = 0
+    window: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.histogram.values())
+
+    @property
+    def depths(self) -> list[int]:
+        """The depths a lean model can stop at: every exit, then the last layer."""
+        return list(self.exit_layers) + [self.num_layers - 1]
+
+    @property
+    def rates(self) -> dict:
+        """{depth: share of tokens that need exactly that depth (decided there)}."""
+        return {d: self.histogram.get(d, 0) / self.num_tokens for d in self.depths}
+
+    @property
+    def coverage(self) -> dict:
+        """{depth: share of tokens decided at or before it}: what a lean model with `exit_max_layer=depth` decides
+        without a greedy exit."""
+        out, total = {}, 0
+        for d in self.depths:
+            total += self.histogram.get(d, 0)
+            out[d] = total / self.num_tokens
+        return out
+
+    def recommend(self, coverage: float = 0.95) -> int:
+        """The shallowest exit whose coverage reaches `coverage`, else the last layer (load everything)."""
+        if isinstance(coverage, bool) or not isinstance(coverage, (int, float)) or not 0 < coverage <= 1:
+            raise ValueError(f"`coverage` must be a share of tokens: allowed values are 0 < coverage <= 1, got "
+                             f"{coverage!r}.")
+        return next((d for d, share in self.coverage.items() if share >= coverage - 1e-12), self.num_layers - 1)
+
+    def to_dict(self) -> dict:
+        return {"num_layers": self.num_layers, "exit_layers": list(self.exit_layers), "num_tokens": self.num_tokens,
+                "texts": self.texts, "window": self.window, "settings": self.settings,
+                "histogram": {str(k): v for k, v in sorted(self.histogram.items())},
+                "rates": {str(k): v for k, v in self.rates.items()},
+                "coverage": {str(k): v for k, v in self.coverage.items()},
+                "recommend": {str(c): self.recommend(c) for c in (0.8, 0.9, 0.95, 0.99)}}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ExitProfile":
+        return cls(num_layers=data["num_layers"], exit_layers=list(data["exit_layers"]),
+                   histogram={int(k): v for k, v in data["histogram"].items()}, settings=data.get("settings", {}),
+                   texts=data.get("texts", 0), window=data.get("window", 0))
+
+    @classmethod
+    def load(cls, path) -> "ExitProfile":
+        """From `exit_profile.json`, or a folder holding it."""
+        path = Path(path)
+        return cls.from_dict(json.loads((path / PROFILE_FILE if path.is_dir() else path).read_text()))
+
+    def __str__(self):
+        rows = ", ".join(f"{d}: {100 * r:.1f}%" for d, r in self.rates.items())
+        return (f"{self.num_tokens} tokens from {self.texts} texts; decided at {{{rows}}}; recommended exit_max_layer "
+                f"{self.recommend(0.95)} (95% coverage), {self.recommend(0.9)} (90%)")
+
+
+def _json_settings(settings) -> dict:
+    return {"criterion": settings.criterion.name, "thresholds": {str(k): v for k, v in settings.thresholds.items()},
+            "patience": settings.patience}
+
+
+def _windows(tokenizer, texts, window):
+    """Token windows of at most `window` tokens (a long text gives several; a short one its own)."""
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        for start in range(0, len(ids), window):
+            if len(ids[start:start + window]) >= 2:
+                yield ids[start:start + window]
+
+
+@torch.no_grad()
+def decide_positions(model, settings, hidden_states, chunk=1024) -> torch.Tensor:
+    """Deciding layer of every position `(N,)`, from `hidden_states` (the model's output_hidden_states, each entry
+    flattened to `(N, D)`), with the decoding loop's own exit check (`check_exit`), one token at a time."""
+    num_layers, n = model.config.num_hidden_layers, hidden_states[0].shape[0]
+    decided = torch.full((n,), num_layers - 1, dtype=torch.long, device=hidden_states[0].device)
+    for start in range(0, n, chunk):
+        stop = min(start + chunk, n)
+        rows = torch.arange(stop - start, device=decided.device)  # undecided positions of this chunk
+        state = StepState(settings, stop - start, decided.device, None)
+        for j in settings.check_layers:
+            h_out, h_in = hidden_states[j + 1][start:stop], hidden_states[j][start:stop]
+            confident, _, _ = check_exit(model, settings, j, h_out.index_select(0, rows),
+                                         h_in.index_select(0, rows), rows, state)
+            decided[start:stop].index_fill_(0, rows[confident], j)
+            rows = rows[~confident]
+            if rows.numel() == 0:
+                break
+    return decided
+
+
+@torch.no_grad()
+def profile_exits(model, tokenizer, texts, batch_size: int = 8, window: int = 256, max_tokens: int | None = None,
+                  out_dir=None, write: bool = True, progress: bool = True, **exit_settings) -> ExitProfile:
+    """Profiles the model's stored exit settings (or the given `exit_criterion=...`, ...) over `texts`, teacher-forced.
+
+    Writes `exit_profile.json` and `exit_profile.png` to `out_dir` (default: the folder the model was loaded from,
+    when it is a local folder) unless `write=False`. The model must hold every layer (a lean model cannot tell what
+    its shed layers would decide).
+    """
+    unknown = sorted(set(exit_settings) - set(EXIT_FIELDS))
+    if unknown:
+        raise ValueError(f"Unknown exit setting(s) {unknown}: allowed names are {list(EXIT_FIELDS)}.")
+    if is_lean(model):
+        raise ValueError(f"`model` holds decoder layers 0..{model.exit_max_layer} only; profile the fully loaded model "
+                         f"(`model.set_exit_max_layer({model.config.num_hidden_layers - 1})`).")
+    settings = resolve_exit_settings(model.config, merged_exit_values(model, None, dict(exit_settings)))
+    if settings is None:
+        raise ValueError("No exit settings to profile: pass `exit_criterion` and `exit_threshold`, or store them in "
+                         "`model.generation_config` (calibration does).")
+    settings = dataclasses.replace(settings, policy="row")  # each token decides for itself
+    if isinstance(texts, str):
+        texts = [texts]
+    windows = list(_windows(tokenizer, texts, window))
+    if not windows:
+        raise ValueError("`texts` hold no window of at least 2 tokens to profile.")
+    counts = torch.zeros(model.config.num_hidden_layers, dtype=torch.long)
+    device, pad = model.device, tokenizer.pad_token_id or 0
+    batches = range(0, len(windows), batch_size)
+    if progress:
+        from tqdm.auto import tqdm
+
+        batches = tqdm(batches, desc="profiling exits", unit="batch")
+    seen = 0
+    for b in batches:
+        rows = windows[b:b + batch_size]
+        length = max(map(len, rows))
+        ids = torch.full((len(rows), length), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, r in enumerate(rows):  # right padding: positions stay 0..n-1, the pads come after every real token
+            ids[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), 1
+        out = model(ids.to(device), attention_mask=mask.to(device), output_hidden_states=True, logits_to_keep=1)
+        valid = mask.bool().flatten().to(device)
+        hidden = [h.flatten(0, 1)[valid] for h in out.hidden_states]
+        counts += torch.bincount(decide_positions(model, settings, hidden).cpu(), minlength=len(counts))
+        seen += int(valid.sum())
+        if max_tokens is not None and seen >= max_tokens:
+            break
+    profile = ExitProfile(num_layers=model.config.num_hidden_layers, exit_layers=list(model.config.exit_layers),
+                          histogram={j: int(c) for j, c in enumerate(counts.tolist()) if c},
+                          settings=_json_settings(settings), texts=len(texts), window=window)
+    if write:
+        if out_dir is not None:
+            write_profile(profile, out_dir)
+        elif os.path.isdir(getattr(model, "name_or_path", None) or ""):  # next to the model
+            write_profile(profile, model.name_or_path)
+    return profile
+
+
+def write_profile(profile: ExitProfile, folder) -> Path:
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / PROFILE_FILE).write_text(json.dumps(profile.to_dict(), indent=1) + "\n")
+    plot_profile(profile, folder / "exit_profile.png")
+    return folder / PROFILE_FILE
+
+
+def plot_profile(profile: ExitProfile, path):
+    """Share of tokens decided per depth (bars) and the coverage of a lean model stopping there (line)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    depths = profile.depths
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    ax.bar(range(len(depths)), [profile.rates[d] for d in depths], color="C0", label="decided here")
+    ax.plot(range(len(depths)), [profile.coverage[d] for d in depths], "o-", color="C1",
+            label="coverage with exit_max_layer here")
+    ax.axhline(0.95, color="gray", lw=0.8, ls="--")
+    ax.set_xticks(range(len(depths)), [str(d) for d in depths])
+    ax.set_xlabel("decoder layer (exits, then the last layer)")
+    ax.set_ylabel("share of tokens")
+    ax.set_ylim(0, 1.02)
+    ax.set_title(f"{profile.num_tokens} tokens, {profile.settings.get('criterion', '?')}; recommended "
+                 f"exit_max_layer {profile.recommend(0.95)} at 95%", fontsize=9)
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
+def _float_list(text):
+    values = [float(x) for x in text.split(",") if x.strip()]
+    return values[0] if len(values) == 1 else values
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="ee-transformers profile", description=__doc__.split("\n\n")[0])
+    parser.add_argument("folder", help="early-exit model folder (or a plain one with --exit-layers)")
+    parser.add_argument("--data", nargs="+", required=True, help="text files to profile on (teacher-forced)")
+    parser.add_argument("--exit-layers", default=None, help="comma-separated exits, to convert a plain folder")
+    parser.add_argument("--exit-criterion", default=None, help="default: the folder's stored setting")
+    parser.add_argument("--exit-threshold", type=_float_list, default=None, help="a float or one per checked exit")
+    parser.add_argument("--exit-patience", type=int, default=None)
+    parser.add_argument("--window", type=int, default=256, help="tokens per teacher-forced window")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=None, help="stop after this many profiled tokens")
+    parser.add_argument("--coverage", type=float, default=0.95, help="target share for the recommendation")
+    parser.add_argument("--out", default=None, help="where to write exit_profile.json/.png (default: the folder)")
+    args = parser.parse_args(argv)
+    from ee_transformers.convert import from_base
+
+    exit_layers = [int(x) for x in args.exit_layers.split(",")] if args.exit_layers else None
+    overrides = {k: v for k, v in dict(exit_criterion=args.exit_criterion, exit_threshold=args.exit_threshold,
+                                       exit_patience=args.exit_patience).items() if v is not None}
+    try:
+        model = from_base(args.folder, exit_layers=exit_layers).eval()
+        if model.tokenizer is None:
+            raise ValueError(f"`folder` {args.folder!r} holds no tokenizer.")
+        texts = [Path(p).read_text(encoding="utf-8", errors="replace") for p in args.data]
+        profile = profile_exits(model, model.tokenizer, texts, batch_size=args.batch_size, window=args.window,
+                                max_tokens=args.max_tokens, out_dir=args.out or args.folder, **overrides)
+        recommended = profile.recommend(args.coverage)
+    except ValueError as error:
+        parser.exit(2, f"ee-transformers profile: error: {error}\n")
+    print(profile)
+    print(f"exit_max_layer for {100 * args.coverage:g}% coverage: {recommended}; wrote "
+          f"{Path(args.out or args.folder) / PROFILE_FILE}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
