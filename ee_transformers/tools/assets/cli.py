@@ -8,6 +8,7 @@ import os
 import sys
 
 from ee_transformers.tools.assets.cache import cache_folder
+from ee_transformers.tools.assets.gemma import fetch_gemma3_270m
 from ee_transformers.tools.assets.model import fetch_model
 from ee_transformers.tools.assets.text import fetch_text
 
@@ -31,11 +32,15 @@ def main(argv: list[str] | None = None) -> int:
     only = parser.add_mutually_exclusive_group()
     only.add_argument("--model-only", action="store_true", help="fetch only the model")
     only.add_argument("--text-only", action="store_true", help="fetch only the text")
+    only.add_argument("--model", choices=["smollm2-135m", "gemma3-270m"], default=None,
+                      help="fetch only this model (gemma3-270m: Gemma-3-270M base, Gemma Terms of Use)")
     args = parser.parse_args(argv)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        if args.model_only:
+        if args.model == "gemma3-270m":
+            print(fetch_gemma3_270m(args.cache_dir, force=args.force))
+        elif args.model_only or args.model == "smollm2-135m":
             print(fetch_model(args.cache_dir, force=args.force))
         elif args.text_only:
             for group, paths in fetch_text(args.cache_dir, force=args.force).items():
