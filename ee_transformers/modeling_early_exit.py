@@ -1,4 +1,4 @@
-"""Early-exit causal LMs for the Llama, Mistral, Qwen2 and Qwen3 families.
+"""Early-exit causal LMs for the Llama, Mistral, Qwen2, Qwen3, Gemma 3, Gemma 2, Phi-3, OLMo 2 and GPT-2 families.
 
 Each class is the family's own `...ForCausalLM` (same modules, same weight names, so any plain checkpoint loads as it
 is) plus exit heads after `config.exit_layers`, all feeding the one shared LM head. One core, `EarlyExitMixin`, runs

@@ -442,3 +442,41 @@ def test_phi3_cache_restart_at_original_max_positions_equals_base_cut(tmp_path, 
     expected = cut_at_exit(base, model, 1).generate(ids, **kwargs)
     assert torch.equal(out.sequences, expected)
     assert out.cache.get_seq_length() == out.sequences.shape[1] - 1
+
+
+@pytest.mark.parametrize("family_name, targets", [("phi3", ["qkv_proj"]), ("gpt2", ["c_attn"]),
+                                                  ("llama", ["k_proj", "v_proj"])])
+def test_backfill_goes_through_lora_wrapped_projections(base_dirs, family_name, targets):
+    """Backfill calls the projection modules (a fused one whole, its K/V part sliced after the call), so a LoRA
+    adapter on them takes part: the backfilled K/V equal the merged model's own."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    folder, base = base_dirs[family_name]
+    peft_model = get_peft_model(ee_model(base_dirs, family_name), LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    torch.manual_seed(2)
+    with torch.no_grad():  # a LoRA delta that matters (lora_B starts at zero)
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.5)
+    ids, mask = padded_batch()
+    out = peft_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4,
+                              do_sample=False, exit_criterion="max_prob", exit_threshold=0.0, exit_check_layers=[1],
+                              return_dict_in_generate=True)
+    assert (out.exit_layers == 1).all()
+    merged = copy.deepcopy(base)  # the plain model with the LoRA deltas merged into its weights
+    state = peft_model.merge_and_unload().state_dict()
+    merged.load_state_dict({k: v for k, v in state.items() if not k.startswith("exit_heads.")})
+    cached_ids = out.sequences[:, :-1]
+    full_mask = extended_mask(mask, cached_ids.shape[1])
+    exit_states, positions = _states_leaving(merged, cached_ids, full_mask, layer=1)
+    new = cached_ids.shape[1] - ids.shape[1]
+    for j in (2, 3):
+        reference = own_kv(merged, j, exit_states, full_mask, positions)
+        for kind in ("keys", "values"):
+            got, want = cached(out.cache.layers[j], kind), cached(reference, kind)
+            torch.testing.assert_close(got[:, :, -new:], want[:, :, -new:], rtol=1e-4, atol=1e-4,
+                                       msg=lambda m: f"layer {j} {kind}: {m}")
+        without_lora = cached(own_kv(base, j, exit_states, full_mask, positions), "values")
+        assert not torch.allclose(without_lora[:, :, -new:], want[:, :, -new:], atol=1e-3)  # the delta shows

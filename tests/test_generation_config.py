@@ -186,8 +186,8 @@ def test_automodel_gives_the_early_exit_decoder(base_dirs, tmp_path, family):
     decoder = AutoModel.from_pretrained(tmp_path / "m", trust_remote_code=True).eval()
     assert not hasattr(decoder, "lm_head")
     ids, mask = padded_batch()
-    plain = type(base.base_model)(base.config).eval()  # the family's own decoder, e.g. LlamaModel
-    plain.load_state_dict(base.base_model.state_dict())
+    plain = type(base.get_decoder())(base.config).eval()  # the family's own decoder, e.g. LlamaModel
+    plain.load_state_dict(base.get_decoder().state_dict())
     out = decoder(ids, attention_mask=mask, output_exit_hidden_states=True)
     assert torch.equal(out.last_hidden_state, plain(ids, attention_mask=mask).last_hidden_state)
     assert len(out.exit_hidden_states) == len(EXITS)

@@ -60,7 +60,7 @@ def test_greedy_equals_full_depth_greedy(base_dirs, family, cache_implementation
                                (2, 1, dict(num_assistant_tokens_schedule="heuristic", **NEVER_STOP))]:
         out = speculative(model, ids, mask, drafters, k, **kwargs, **extra)
         assert torch.equal(out.sequences, expected), (drafters, k, extra)
-        decided = out.exit_layers[out.exit_layers >= 0]  # -1: after a row's EOS
+        decided = out.exit_layers[out.exit_layers >= 0]  # -1: after the row's EOS (a tiny model may draw it)
         assert (decided == LAYERS - 1).all()  # every token decided by the final head
         assert (out.accepted_tokens <= out.draft_tokens).all()
 

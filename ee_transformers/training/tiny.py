@@ -40,14 +40,22 @@ def tiny_texts(n_docs: int = 8, words_per_doc: int = 200, seed: int = 0) -> list
 
 
 def save_tiny_base(folder, family: str = "llama", seed: int = 0, **overrides) -> str:
-    """Saves a tiny random plain checkpoint of `family` ('llama', 'mistral', 'qwen2', 'qwen3') plus the tokenizer."""
-    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+    """Saves a tiny random plain checkpoint of `family` ('llama', 'mistral', 'qwen2', 'qwen3', 'gemma3', 'gemma2',
+    'phi3', 'olmo2', 'gpt2') plus the tokenizer."""
+    import transformers as tf
 
-    families = {"llama": (LlamaConfig, LlamaForCausalLM, {}),
-                "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
-                "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
-                "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 8})}
+    gemma = {"head_dim": 8, "query_pre_attn_scalar": 8}
+    families = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM, {}),
+                "mistral": (tf.MistralConfig, tf.MistralForCausalLM, {"sliding_window": None}),
+                "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, {}),
+                "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, {"head_dim": 8}),
+                "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM, gemma),
+                "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM, gemma),
+                "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM, {}),
+                "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM, {}),
+                "gpt2": (tf.GPT2Config, tf.GPT2LMHeadModel, {"n_inner": TINY["intermediate_size"]})}
+    if family not in families:
+        raise ValueError(f"`family` must be one of {list(families)}, got {family!r}.")
     config_cls, model_cls, extra = families[family]
     torch.manual_seed(seed)
     model = model_cls(config_cls(**{**TINY, **extra, **overrides})).eval()

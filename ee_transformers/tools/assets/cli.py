@@ -8,6 +8,7 @@ import sys
 
 from ee_transformers.tools.arguments import ArgumentParser, run_command
 from ee_transformers.tools.assets.cache import cache_folder
+from ee_transformers.tools.assets.gemma import fetch_gemma3_270m
 from ee_transformers.tools.assets.model import fetch_model
 from ee_transformers.tools.assets.text import fetch_text
 
@@ -31,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     only = parser.add_mutually_exclusive_group()
     only.add_argument("--model-only", action="store_true", help="fetch only the model")
     only.add_argument("--text-only", action="store_true", help="fetch only the text")
+    only.add_argument("--model", choices=["smollm2-135m", "gemma3-270m"], default=None,
+                      help="fetch only this model (gemma3-270m: Gemma-3-270M base, Gemma Terms of Use)")
     return run_command(parser, _run, argv)
 
 
@@ -39,7 +42,9 @@ def _run(args) -> int:
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     cache = cache_folder(args.cache_dir)  # a bad --cache-dir: exit code 2, before any download
     try:
-        if args.model_only:
+        if args.model == "gemma3-270m":
+            print(fetch_gemma3_270m(cache, force=args.force))
+        elif args.model_only or args.model == "smollm2-135m":
             print(fetch_model(cache, force=args.force))
         elif args.text_only:
             for group, paths in fetch_text(cache, force=args.force).items():
