@@ -177,6 +177,27 @@ def test_a_stale_profile_choice_is_caught_up_before_the_switch(base_dirs):
     assert (out.exit_layers[:, token:] == 1).all()
 
 
+def test_a_model_left_with_deferred_states_is_caught_up_exactly_and_can_take_over_again(base_dirs):
+    ids, mask = padded_batch()
+    # the first model exits at layer 2 with deferred K/V: when the pool leaves it, layer 3 still owes it a position
+    deferred = model_with(base_dirs, seed=5, exit_criterion="max_prob", exit_threshold=0.0, exit_check_layers=[2],
+                          exit_kv="deferred")
+    register_exit_criterion("flip_after_pool_test", FlipAfter(steps=3))  # cheaper than it for 3 steps, then dearer
+    flipping = model_with(base_dirs, seed=7, exit_criterion="flip_after_pool_test", exit_threshold=0.5,
+                          exit_check_layers=[0])
+    out = EarlyExitPool([deferred, flipping]).generate(ids, attention_mask=mask, max_new_tokens=12, pool_interval=2,
+                                                       do_sample=False, return_dict_in_generate=True)
+    assert [(s.source, s.target) for s in out.switches] == [(0, 1), (1, 0)]
+    back, p = out.switches[1].token, ids.shape[1]
+    assert out.switches[0].token == 2 and back < 12
+    # its catch-up ran the deferred position through layer 3, so every position it holds ran every layer: it goes on
+    # exactly as its own generate from the same prefix
+    ref = deferred.generate(out.sequences[:, : p + back], attention_mask=extended(mask, back),
+                            max_new_tokens=12 - back, do_sample=False, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert (out.exit_layers[:, back:] == 2).all() and (out.model_indices[:, back:] == 0).all()
+
+
 def test_profile_every_k_boundaries_catches_up_less_often(base_dirs):
     ids, mask = padded_batch()
     cheap, other = model_with(base_dirs, seed=5, **ALWAYS), model_with(base_dirs, seed=7, **NEVER)
