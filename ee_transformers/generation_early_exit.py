@@ -556,9 +556,12 @@ def _step_inputs(model, input_ids, model_kwargs, first):
 
 
 def early_exit_generate(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
-                        exit_settings=None, exit_streamer=None, **model_kwargs):
+                        exit_settings=None, exit_streamer=None, exit_switch=None, **model_kwargs):
     """The decoding loop `generate` runs with early exit (passed as `custom_generate`): transformers' sampling loop,
-    except that each step's logits come from the head each row exited at (`early_exit_step`)."""
+    except that each step's logits come from the head each row exited at (`early_exit_step`).
+
+    exit_switch: a model pool's (`pool_early_exit.py`): called before every step with `(input_ids, attention_mask, exit
+    layers so far, unfinished)`; when it returns `(model, cache, settings)` the loop goes on with that model."""
     pad_token_id = generation_config._pad_token_tensor
     has_eos_stopping_criteria = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
     return_dict = generation_config.return_dict_in_generate
@@ -579,6 +582,11 @@ def early_exit_generate(model, input_ids, logits_processor, stopping_criteria, g
         exit_streamer.put(input_ids.cpu())
     first = True
     while model._has_unfinished_sequences(not bool(unfinished.max()), synced_gpus, device=input_ids.device):
+        if exit_switch is not None:
+            switch = exit_switch(input_ids, model_kwargs.get("attention_mask"), step_exit_layers, unfinished)
+            if switch is not None:  # the new model's cache may lack more than the last token: its step prefills them
+                model, cache, exit_settings = switch
+                model_kwargs["cache"], first = cache, True
         ids, mask, position_ids = _step_inputs(model, input_ids, model_kwargs, first)
         logits, exit_layers, greedy = early_exit_step(model, ids, mask, position_ids, cache, exit_settings,
                                                       unfinished, mask_2d=model_kwargs.get("attention_mask"))

@@ -1,0 +1,315 @@
+"""`ee-transformers bench-pool`: the HELIOS model pool on SmolLM2-135M, side by side with each of its models alone and
+with full depth, in one process.
+
+1. Two early-exit models on the one frozen backbone, exit heads (norm + low-rank adapter) fitted on different text:
+   `novels` on Austen's five training novels, `python` on the first half of the Python manual (cached in --out;
+   `--reuse` skips the fits). The two models share the backbone modules (it is frozen: the same weights either way).
+2. Complementarity, teacher-forced on held-out text of each domain: per model, how many tokens exit early under the
+   criterion and how often they agree with full depth, and the predicted cost per token (the pool's analytic units).
+3. A workload mixing both domains (the benchmark's held-out prompts, alternating novels / Python): greedy, batch 1,
+   `--new-tokens` tokens each (EOS does not stop a row), every configuration on every prompt, interleaved, in
+   `--repeats` rounds: full depth (the plain twin), `novels` alone, `python` alone, the pool of both.
+4. Report: tokens/s (total new tokens over total seconds, and per domain), greedy agreement with full depth (scored
+   up to full depth's first EOS), mean exit layer, and where the pool switched.
+
+    ee-transformers bench-pool --out runs/pool-bench --steps 300
+    python -m ee_transformers.tools.bench_pool --reuse --out runs/pool-bench --threshold 0.8
+"""
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+HELIOS_CLAIM = ("HELIOS (arXiv abstract) reports 1.48x throughput and 15.14x batch size over existing early-exit "
+                "frameworks, for model switching and lean loading together; the abstract gives no figure for the pool "
+                "alone.")
+FIT_REGIONS = {"python": (0.0, 0.5)}  # plus the five training novels, whole (as the demo fits)
+PROFILE_REGIONS = {"austen": (0.0, 0.5), "python": (0.6, 0.7)}  # held out from fits and from the prompts
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(prog="ee-transformers bench-pool", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="runs/pool-bench", help="fitted folders and results go here")
+    parser.add_argument("--reuse", action="store_true", help="reuse fitted folders in --out")
+    parser.add_argument("--exit-layers", default="23,26", help="comma-separated exit layers (of 0..29)")
+    parser.add_argument("--adapter-rank", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=100, help="fitting steps per model (2 blocks each)")
+    parser.add_argument("--block-size", type=int, default=128)
+    parser.add_argument("--lr", type=float, default=2e-3, help="peak learning rate of the exit heads")
+    parser.add_argument("--positions", type=int, default=32, help="distilled positions per block")
+    parser.add_argument("--max-chars", type=int, default=400_000, help="characters of training text per domain")
+    parser.add_argument("--criterion", default="max_prob", choices=["max_prob", "margin", "entropy"])
+    parser.add_argument("--threshold", type=float, default=0.9)
+    parser.add_argument("--check-layers", default=None, help="comma-separated exits to check (default: all)")
+    parser.add_argument("--policy", default="batch", choices=["batch", "row"])
+    parser.add_argument("--interval", type=int, default=16, help="pool_interval")
+    parser.add_argument("--profile-every", type=int, default=1, help="pool_profile_every")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prompts", type=int, default=8, help="held-out prompts, alternating the two domains")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="tiny settings, to check the pipeline end to end")
+    return parser
+
+
+def _slice(path, region, max_chars):
+    text = Path(path).read_text(encoding="utf-8", errors="replace")
+    start, stop = int(region[0] * len(text)), int(region[1] * len(text))
+    return text[start:min(stop, start + max_chars)]
+
+
+def _domain_texts(assets, max_chars):
+    """{model name: training texts}, {domain: held-out profiling text}; equal characters per domain."""
+    text = assets.fetch_text()
+    novels = {Path(p).stem: p for p in text["austen"]}
+    manual = text["python"][0]
+    per_novel = max_chars // len(assets.AUSTEN_TRAIN)
+    train = {"novels": [_slice(novels[name], (0.0, 1.0), per_novel) for name in assets.AUSTEN_TRAIN],
+             "python": [_slice(manual, FIT_REGIONS["python"], max_chars)]}
+    heldout = {"austen": _slice(novels[assets.AUSTEN_HELDOUT], PROFILE_REGIONS["austen"], 60_000),
+               "python": _slice(manual, PROFILE_REGIONS["python"], 60_000)}
+    return train, heldout
+
+
+def fit_model(name, texts, model_dir, folder, args):
+    """Fits exit heads on `texts` (frozen backbone) and saves the folder."""
+    from ee_transformers.convert import from_base
+    from ee_transformers.training.data import tokenize_blocks
+    from ee_transformers.training.fit_exit_heads import FitConfig, fit_exit_heads, save_model_folder
+
+    exit_layers = [int(x) for x in args.exit_layers.split(",")]
+    model = from_base(model_dir, exit_layers=exit_layers, exit_head="adapter", exit_adapter_rank=args.adapter_rank,
+                      dtype=torch.float32)
+    blocks = tokenize_blocks(texts, model.tokenizer, args.block_size)
+    order = torch.randperm(blocks.shape[0], generator=torch.Generator().manual_seed(0))
+    heldout, train = blocks[order[:8]], blocks[order[8:]]
+    config = FitConfig(steps=args.steps, batch_size=2, lr=args.lr, warmup_steps=min(20, args.steps // 5),
+                       positions_per_block=args.positions, eval_blocks=8)
+    started = time.perf_counter()
+    result = fit_exit_heads(model, train, heldout, config)
+    print(f"   {name}: {args.steps} steps in {(time.perf_counter() - started) / 60:.1f} min; held-out agreement with "
+          f"the final layer per exit {[round(a, 3) for a in result.agreement_before]} -> "
+          f"{[round(a, 3) for a in result.agreement_after]}")
+    save_model_folder(model, folder, tokenizer=model.tokenizer, reports={"fit_report.json": result.summary()})
+    return folder
+
+
+@torch.no_grad()
+def complementarity(models, tokenizer, heldout, exit_kwargs, block_size):
+    """Teacher-forced on each domain's held-out text: per model, the exit each position takes under the criterion
+    (first checked exit whose score holds), its agreement with full depth, and the predicted cost per token."""
+    from ee_transformers.generation_early_exit import logit_score, merged_exit_values, resolve_exit_settings
+    from ee_transformers.pool_early_exit import analytic_costs
+    from ee_transformers.training.data import tokenize_blocks
+
+    rows = []
+    for domain, text in heldout.items():
+        blocks = tokenize_blocks([text], tokenizer, block_size)[:8]
+        for name, model in models.items():
+            settings = resolve_exit_settings(model.config, merged_exit_values(model, None, dict(exit_kwargs)))
+            out = model(blocks, output_exit_logits=True)
+            final = out.logits.argmax(-1)
+            last = model.config.num_hidden_layers - 1
+            exits, tokens = torch.full_like(final, last), final.clone()
+            undecided = torch.ones_like(final, dtype=torch.bool)
+            for index, layer in enumerate(model.config.exit_layers):
+                if layer not in settings.thresholds:
+                    continue
+                logits = out.exit_logits[index]
+                fire = undecided & (logit_score(logits, settings.criterion.name) >= settings.thresholds[layer])
+                exits[fire], tokens[fire] = layer, logits.argmax(-1)[fire]
+                undecided &= ~fire
+            counts = exits.flatten().bincount(minlength=last + 1)
+            histogram = {layer: int(c) for layer, c in enumerate(counts.tolist()) if c}
+            rows.append({"model": name, "domain": domain, "tokens": int(final.numel()),
+                         "exit_rate": float((exits < last).float().mean()),
+                         "agreement": float((tokens == final).float().mean()),
+                         "mean_exit_layer": float(exits.float().mean()),
+                         "cost_per_token": analytic_costs(model, settings).per_token(histogram),
+                         "histogram": histogram})
+    return rows
+
+
+def _configurations(models, plain, pool, exit_kwargs, pool_kwargs):
+    """name -> generate(ids) returning (new tokens (1, T), exit layers (1, T) or None, pool output or None)."""
+    def ee(model):
+        def run(ids, config):
+            out = model.generate(ids, generation_config=config, **exit_kwargs)
+            return out.sequences[:, ids.shape[1]:], out.exit_layers, None
+        return run
+
+    def full(ids, config):
+        out = plain.generate(ids, generation_config=config)
+        return out.sequences[:, ids.shape[1]:], None, None
+
+    def pooled(ids, config):
+        out = pool.generate(ids, generation_config=config, **exit_kwargs, **pool_kwargs)
+        return out.sequences[:, ids.shape[1]:], out.exit_layers, out
+
+    names = list(models)
+    return {"full depth": full, f"{names[0]} alone": ee(models[names[0]]), f"{names[1]} alone": ee(models[names[1]]),
+            f"pool [{', '.join(names)}]": pooled}
+
+
+def run_workload(configs, prompts, config, repeats, eos_ids, num_layers):
+    """Every configuration on every prompt, interleaved (the order rotates per prompt and repeat). Returns per
+    configuration: seconds and tokens per domain, agreement with full depth, exit layers, pool switches."""
+    from ee_transformers.tools.bench import agreement
+
+    names = list(configs)
+    results = {name: {"seconds": {}, "tokens": {}, "agree": [], "exits": [], "switches": []} for name in names}
+    reference = {}
+    for repeat in range(repeats):
+        for k, prompt in enumerate(prompts):
+            ids = torch.tensor([prompt["ids"]])
+            shift = (repeat * len(prompts) + k) % len(names)
+            for name in names[shift:] + names[:shift]:
+                start = time.perf_counter()
+                new, exits, pool_out = configs[name](ids, config)
+                seconds = time.perf_counter() - start
+                r, domain = results[name], prompt["domain"]
+                r["seconds"][domain] = r["seconds"].get(domain, 0.0) + seconds
+                r["tokens"][domain] = r["tokens"].get(domain, 0) + new.numel()
+                if repeat == 0:  # greedy: every repeat decodes the same tokens
+                    if name == "full depth":
+                        reference[k] = new
+                    r["exits"].append(exits if exits is not None else torch.full_like(new, num_layers - 1))
+                    if pool_out is not None:
+                        r["switches"].append({"prompt": k, "domain": domain,
+                                              "switches": [(s.token, s.source, s.target) for s in pool_out.switches],
+                                              "profiles": pool_out.profiles, "caught_up": pool_out.caught_up})
+                    r.setdefault("new", {})[k] = new
+        print(f"   round {repeat + 1}/{repeats} done")
+    for name in names:
+        r = results[name]
+        rows = [agreement(reference[k], r["new"][k], eos_ids)[0] for k in range(len(prompts))]
+        r["agreement"] = sum(x["matches"] for x in rows) / max(sum(x["compared"] for x in rows), 1)
+        r["first_divergence"] = statistics.mean(x["first_divergence"] for x in rows)
+        exits = torch.cat([e.flatten() for e in r["exits"]])
+        r["mean_exit_layer"] = float(exits[exits >= 0].float().mean())
+        r["tok_s"] = sum(r["tokens"].values()) / sum(r["seconds"].values())
+        r["tok_s_by_domain"] = {d: r["tokens"][d] / r["seconds"][d] for d in r["tokens"]}
+        del r["new"], r["exits"]
+    return results
+
+
+def format_report(complement, results, args, names, machine):
+    lines = [f"Criterion `{args.criterion}` >= {args.threshold}, checked exits {args.check_layers or args.exit_layers}, "
+             f"{args.policy} policy; pool_interval {args.interval}, pool_profile_every {args.profile_every}; "
+             f"{machine}.", "",
+             "Teacher-forced on held-out text (8 blocks of %d tokens per domain):" % args.block_size, "",
+             "| model | domain | exit rate | agreement with full depth | mean exit layer | predicted cost / token "
+             "(M params read) |", "|---|---|---|---|---|---|"]
+    for row in complement:
+        lines.append(f"| {row['model']} | {row['domain']} | {row['exit_rate']:.3f} | {row['agreement']:.3f} | "
+                     f"{row['mean_exit_layer']:.1f} | {row['cost_per_token'] / 1e6:.1f} |")
+    full = results["full depth"]["tok_s"]
+    domains = list(results["full depth"]["tok_s_by_domain"])
+    lines += ["", f"Generation, batch 1, {args.prompts} prompts x {args.new_tokens} new tokens, {args.repeats} "
+              "interleaved rounds (tok/s = new tokens / seconds over all rounds):", "",
+              "| configuration | tok/s | vs full depth | " + " | ".join(f"tok/s {d}" for d in domains) +
+              " | greedy agreement | tokens to 1st divergence | mean exit layer |",
+              "|---|---|---|" + "---|" * len(domains) + "---|---|---|"]
+    for name, r in results.items():
+        by_domain = " | ".join(f"{r['tok_s_by_domain'][d]:.2f}" for d in domains)
+        lines.append(f"| {name} | {r['tok_s']:.2f} | {r['tok_s'] / full:.3f}x | {by_domain} | {r['agreement']:.3f} | "
+                     f"{r['first_divergence']:.1f} | {r['mean_exit_layer']:.1f} |")
+    pool_name = next(n for n in results if n.startswith("pool"))
+    records = results[pool_name]["switches"]
+    lines += ["", f"Where the pool switched ({len(records)} prompts; model 0 = {names[0]}, 1 = {names[1]}):", ""]
+    for domain in domains:
+        mine = [r for r in records if r["domain"] == domain]
+        switched = [r for r in mine if r["switches"]]
+        where = ", ".join(f"prompt {r['prompt']}: " + "; ".join(f"token {t}: {s}->{d}" for t, s, d in r["switches"])
+                          for r in switched)
+        lines.append(f"- {domain}: {len(switched)} of {len(mine)} requests switched"
+                     f"{' (' + where + ')' if where else ''}")
+    best = max((n for n in results if n.endswith("alone")), key=lambda n: results[n]["tok_s"])
+    ratio = results[pool_name]["tok_s"] / results[best]["tok_s"]
+    lines += ["", f"Pool vs the best single model ({best}): {ratio:.3f}x tokens/s, agreement "
+              f"{results[pool_name]['agreement']:.3f} vs {results[best]['agreement']:.3f}. {HELIOS_CLAIM}"]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    if args.quick:
+        args.steps, args.prompts, args.new_tokens, args.repeats, args.max_chars = 4, 2, 8, 1, 40_000
+    torch.set_num_threads(args.threads)
+    from ee_transformers.convert import from_base
+    from ee_transformers.pool_early_exit import EarlyExitPool
+    from ee_transformers.tools import assets, bench
+
+    started = time.perf_counter()
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    print("== 1. assets and the two models")
+    model_dir = assets.fetch_model()
+    train, heldout = _domain_texts(assets, args.max_chars)
+    models = {}
+    for name, texts in train.items():
+        folder = out / name
+        if not (args.reuse and (folder / "config.json").exists()):
+            fit_model(name, texts, model_dir, folder, args)
+        models[name] = from_base(folder, dtype=torch.float32).eval()
+    first, second = models.values()
+    second.model, second.lm_head = first.model, first.lm_head  # one frozen backbone: share it, do not hold it twice
+    tokenizer = first.tokenizer
+
+    exit_kwargs = {"exit_criterion": args.criterion, "exit_threshold": args.threshold, "exit_policy": args.policy}
+    if args.check_layers:
+        exit_kwargs["exit_check_layers"] = [int(x) for x in args.check_layers.split(",")]
+    print("== 2. complementarity (teacher-forced, held-out text)")
+    complement = complementarity(models, tokenizer, heldout, exit_kwargs, args.block_size)
+    for row in complement:
+        print(f"   {row['model']:>7} on {row['domain']:<7} exit rate {row['exit_rate']:.3f}, agreement "
+              f"{row['agreement']:.3f}, mean exit layer {row['mean_exit_layer']:.1f}")
+
+    print("== 3. the mixed workload")
+    plain = bench.plain_twin(first)
+    pool = EarlyExitPool(list(models.values()))
+    prompts = bench.heldout_prompts(tokenizer, num_prompts=args.prompts)
+    config = _greedy_config(first, args.new_tokens)
+    configs = _configurations(models, plain, pool, exit_kwargs,
+                              {"pool_interval": args.interval, "pool_profile_every": args.profile_every})
+    warm = torch.tensor([prompts[0]["ids"]])
+    for run in configs.values():  # warm-up: first calls pay allocations and lazy inits
+        run(warm, _greedy_config(first, 4))
+    eos = first.generation_config.eos_token_id
+    eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    results = run_workload(configs, prompts, config, args.repeats, eos_ids, first.config.num_hidden_layers)
+
+    machine = f"torch {torch.__version__}, {torch.get_num_threads()} threads, {torch.device('cpu')}"
+    report = format_report(complement, results, args, list(models), machine)
+    print("== 4. report\n" + report)
+    summary = {"args": vars(args), "complementarity": complement, "results": results,
+               "minutes": round((time.perf_counter() - started) / 60, 1)}
+    (out / "bench_pool.json").write_text(json.dumps(bench.jsonable(summary), indent=1))
+    (out / "bench_pool.md").write_text(report + "\n")
+    print(f"== done in {summary['minutes']} min; {out / 'bench_pool.md'}")
+    return 0
+
+
+def _greedy_config(model, new_tokens):
+    """Greedy, exactly `new_tokens` tokens: EOS does not stop a row, so every configuration decodes as many steps."""
+    import copy
+
+    config = copy.deepcopy(model.generation_config)
+    eos = config.eos_token_id
+    pad = config.pad_token_id if config.pad_token_id is not None else (eos if isinstance(eos, int) else 0)
+    config.update(max_new_tokens=new_tokens, min_new_tokens=None, do_sample=False, num_beams=1, eos_token_id=None,
+                  pad_token_id=pad, return_dict_in_generate=True, temperature=None, top_p=None, top_k=None)
+    for name in ("exit_criterion", "exit_threshold", "exit_policy", "exit_patience", "exit_kv", "exit_check_layers",
+                 "early_exit"):
+        if hasattr(config, name):
+            setattr(config, name, None)
+    return config
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
