@@ -4,13 +4,9 @@ __version__ = "0.2.0"
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
+from . import configuration_early_exit, modeling_early_exit
 from .cache_early_exit import EarlyExitCache
-from .configuration_early_exit import (
-    EarlyExitLlamaConfig,
-    EarlyExitMistralConfig,
-    EarlyExitQwen2Config,
-    EarlyExitQwen3Config,
-)
+from .configuration_early_exit import *  # noqa: F403  (EarlyExit<Family>Config for every family)
 from .convert import SUPPORTED_FAMILIES, from_base, model_class_for
 from .generation_early_exit import (
     EXIT_CRITERIA,
@@ -21,22 +17,13 @@ from .generation_early_exit import (
     GenerateEarlyExitOutput,
     register_exit_criterion,
 )
-from .modeling_early_exit import (
-    FAMILIES,
-    EarlyExitCausalLMOutput,
-    EarlyExitLlamaForCausalLM,
-    EarlyExitLlamaModel,
-    EarlyExitMistralForCausalLM,
-    EarlyExitMistralModel,
-    EarlyExitMixin,
-    EarlyExitModelOutput,
-    EarlyExitQwen2ForCausalLM,
-    EarlyExitQwen2Model,
-    EarlyExitQwen3ForCausalLM,
-    EarlyExitQwen3Model,
-)
+from .lean_early_exit import ShedLayer, memory_report
+from .modeling_early_exit import *  # noqa: F403  (EarlyExit<Family>ForCausalLM / EarlyExit<Family>Model)
+from .modeling_early_exit import FAMILIES, EarlyExitMixin
+from .pool_early_exit import EarlyExitPool, GenerateEarlyExitPoolOutput
+from .speculative_early_exit import GenerateSpeculativeOutput
 from .tools.model_card import write_model_card
-
+from .tools.profile import ExitProfile, profile_exits
 
 for _cls in FAMILIES.values():
     AutoConfig.register(_cls.config_class.model_type, _cls.config_class, exist_ok=True)
@@ -47,31 +34,25 @@ for _cls in FAMILIES.values():
 EarlyExitMixin.model_card_writer = staticmethod(write_model_card)
 
 __all__ = [
+    *configuration_early_exit.__all__,
+    *modeling_early_exit.__all__,
     "Check",
     "EXIT_CRITERIA",
-    "ExitCriterion",
-    "FAMILIES",
-    "EarlyExitLlamaModel",
-    "EarlyExitMistralModel",
-    "EarlyExitModelOutput",
-    "EarlyExitQwen2Model",
-    "EarlyExitQwen3Model",
-    "register_exit_criterion",
     "EarlyExitCache",
-    "EarlyExitCausalLMOutput",
-    "EarlyExitLlamaConfig",
-    "EarlyExitLlamaForCausalLM",
-    "EarlyExitMistralConfig",
-    "EarlyExitMistralForCausalLM",
-    "EarlyExitQwen2Config",
-    "EarlyExitQwen2ForCausalLM",
-    "EarlyExitQwen3Config",
-    "EarlyExitQwen3ForCausalLM",
+    "EarlyExitPool",
+    "ExitCriterion",
+    "ExitProfile",
     "ExitSettings",
     "ExitStats",
     "GenerateEarlyExitOutput",
+    "GenerateEarlyExitPoolOutput",
+    "GenerateSpeculativeOutput",
     "SUPPORTED_FAMILIES",
+    "ShedLayer",
     "from_base",
+    "memory_report",
     "model_class_for",
+    "profile_exits",
+    "register_exit_criterion",
     "write_model_card",
 ]

@@ -285,3 +285,21 @@ def test_cli_fit_4bit_qwen3_lora_kept(tmp_path):
     report = json.loads((out / "fit_report.json").read_text())
     assert report["final_agreement"] is not None
     assert "loaded in 4-bit" in (out / "README.md").read_text()
+
+
+@pytest.mark.parametrize("family", ["gpt2", "gemma2", "phi3"])
+def test_fit_and_calibration_scores_go_through_the_family_adapter(tmp_path, family):
+    """GPT-2 keeps its decoder in `transformer`, Gemma 2 soft-caps its logits: training and calibration must see the
+    model as the runtime does (exit logits equal the runtime's own, soft-cap included)."""
+    from ee_transformers.training.calibrate import collect_exit_scores
+
+    base = save_tiny_base(tmp_path / family, family=family)
+    model = eet.from_base(base, exit_layers=[0, 1, 2])
+    blocks = tokenize_blocks(tiny_texts(n_docs=3), tiny_tokenizer(), 16)[:4]
+    result = fit_exit_heads(model, blocks, blocks[:2], FitConfig(steps=2, batch_size=2, progress=False))
+    assert len(result.agreement_after) == 3
+    data = collect_exit_scores(model.eval(), blocks[:2], "max_prob")
+    with torch.no_grad():
+        exit_logits = model(blocks[:2], output_exit_logits=True).exit_logits
+    expected = torch.stack([e.argmax(-1).flatten() for e in exit_logits], 1)
+    assert torch.equal(data["argmax"], expected)

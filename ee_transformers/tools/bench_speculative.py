@@ -146,7 +146,7 @@ def measure_costs(model, batch_size, max_positions, prompt_length=64, context=96
 
         pieces[f"layer_{q}"] = (layer, lambda q=q: cache.layers[state["j"]].crop(-q))
         pieces[f"final_head_{q}"] = (lambda h=h: fam.head_logits(model, fam.final_norm(model)(h)), None)
-    last = fam.embed(model, ids(1))[:, -1]
+    last = fam.embed(model, ids(1), torch.full((batch_size, 1), context, device=device))[:, -1]
     pieces["draft_head"] = (lambda: model.exit_logits_from_hidden(0, last).float().softmax(-1).max(-1), None)
     ms = _median_ms(pieces, device, max(repeats, config.num_hidden_layers))  # every layer at least once
     prompt = ids(prompt_length)

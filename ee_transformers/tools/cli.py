@@ -1,4 +1,5 @@
-"""The `ee-transformers` command: convert, fetch-assets, fit, calibrate, bench, demo.
+"""The `ee-transformers` command: convert, fetch-assets, fit, calibrate, profile, bench (and its lean, speculative
+and pool modes), demo.
 
 Each subcommand's module owns its argument parser (`main(argv)`); this file only dispatches, importing lazily so that
 `ee-transformers convert --help` does not pay for the training stack.
@@ -14,7 +15,16 @@ SUBCOMMANDS = {
     "fetch-assets": ("ee_transformers.tools.assets", "main", "fetch SmolLM2-135M and real English text (cached)"),
     "fit": ("ee_transformers.training.fit_exit_heads", "main", "fit exit heads (same as python -m ee_transformers.training.fit_exit_heads)"),
     "calibrate": ("ee_transformers.training.calibrate", "main", "choose exits and thresholds for a quality target"),
-    "bench": ("ee_transformers.tools.bench", "main", "benchmark early exit against plain transformers generate"),
+    "profile": ("ee_transformers.tools.profile", "main",
+                "where tokens exit under the stored settings; recommend exit_max_layer for a lean model"),
+    "bench": ("ee_transformers.tools.bench", "main", "benchmark early exit against plain transformers generate "
+              "(with --memory-budget: lean HELIOS models, see bench-lean)"),
+    "bench-lean": ("ee_transformers.tools.bench_lean", "main",
+                   "full vs lean (HELIOS) at the largest batch each fits in a memory budget"),
+    "bench-speculative": ("ee_transformers.tools.bench_speculative", "main",
+                          "lossless self-speculative decoding vs plain and transformers' assistant_early_exit"),
+    "bench-pool": ("ee_transformers.tools.bench_pool", "main",
+                   "a pool of early-exit models switched by their exit profiles vs each model alone"),
     "demo": ("ee_transformers.tools.demo", "main", "the main job: fetch, convert, fit, calibrate, compare side by side"),
 }
 
@@ -22,7 +32,7 @@ SUBCOMMANDS = {
 def convert_main(argv=None):
     parser = ArgumentParser(prog="ee-transformers convert",
                             description="Build an early-exit model folder from a plain checkpoint folder.")
-    parser.add_argument("base", help="plain Llama / Mistral / Qwen2 / Qwen3 checkpoint folder")
+    parser.add_argument("base", help="plain checkpoint folder of a supported family (see README: Families)")
     parser.add_argument("out", help="output folder (loads with trust_remote_code=True; written atomically)")
     parser.add_argument("--exit-layers", required=True, type=comma_list(int),
                         help="comma-separated 0-based decoder layers after which an exit head sits, e.g. 7,15,22")

@@ -139,20 +139,20 @@ def collect_exit_scores(model, blocks: torch.LongTensor, criterion: str, batch_s
         raise ValueError(f"`criterion` must be one of {list(CRITERIA)}, got {criterion!r}.")
     if criterion == "learned" and model.confidence_heads is None:
         raise ValueError("`criterion='learned'` needs confidence heads: fit them with `--confidence-steps N`.")
-    device = model.model.embed_tokens.weight.device
+    device = model.device
     was_training = model.training
     model.eval()
     scores, argmaxes, finals = [], [], []
     for start in range(0, blocks.shape[0], batch_size):
         ids = blocks[start:start + batch_size].to(device)
-        hidden = model.model(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
+        hidden = model.family.decoder(model)(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
         keep = slice(skip_positions, None)
-        finals.append(model.lm_head(hidden[-1][:, keep]).argmax(-1).flatten().cpu())
+        finals.append(model.family.head_logits(model, hidden[-1][:, keep]).argmax(-1).flatten().cpu())
         s_row, a_row = [], []
         for i, layer in enumerate(model.config.exit_layers):
             h_out = hidden[layer + 1][:, keep]
             x = model.exit_heads[i](h_out)
-            logits = model.lm_head(x)
+            logits = model.family.head_logits(model, x)
             a_row.append(logits.argmax(-1).flatten().cpu())
             if criterion in LOGIT_CRITERIA:
                 s = scores_from_logits(logits, criterion)
@@ -379,7 +379,7 @@ def on_policy_agreement(model, prompts: torch.LongTensor, exit_kwargs: dict, new
     and the number of tokens (tokens after EOS are not counted)."""
     was_training = model.training
     model.eval()
-    device = model.model.embed_tokens.weight.device
+    device = model.device
     last = model.config.num_hidden_layers - 1
     pad = model.config.pad_token_id if model.config.pad_token_id is not None else model.config.eos_token_id
     eos = model.generation_config.eos_token_id

@@ -227,7 +227,7 @@ class DistillationStep(nn.Module):
         ee = _ee(model)
         self.exit_layers = list(ee.config.exit_layers)
         self.weights = exit_weights(self.exit_layers, config.exit_weighting)
-        self.layer_drop = LayerDrop(ee.model.layers, config.layer_dropout) if lora and config.layer_dropout else None
+        self.layer_drop = LayerDrop(ee.family.layers(ee), config.layer_dropout) if lora and config.layer_dropout else None
 
     def teacher_context(self):
         return self.model.disable_adapter() if self.lora else nullcontext()
@@ -239,8 +239,8 @@ class DistillationStep(nn.Module):
         with torch.no_grad(), self.teacher_context():
             if self.layer_drop is not None:
                 self.layer_drop.active = False
-            out = ee.model(input_ids=input_ids, output_hidden_states=True, use_cache=False)
-            teacher_logits = ee.lm_head(_gather(out.hidden_states[-1], positions)).float().flatten(0, 1)  # (N, V)
+            out = ee.family.decoder(ee)(input_ids=input_ids, output_hidden_states=True, use_cache=False)
+            teacher_logits = ee.family.head_logits(ee, _gather(out.hidden_states[-1], positions)).float().flatten(0, 1)  # (N, V)
             teacher_logp = F.log_softmax(teacher_logits / T, dim=-1)
             teacher_argmax = teacher_logits.argmax(-1)
         hidden = out.hidden_states
@@ -249,10 +249,10 @@ class DistillationStep(nn.Module):
         if self.lora:  # the student backbone, with gradients into the adapters
             if self.layer_drop is not None:
                 self.layer_drop.active = True
-            hidden = ee.model(input_ids=input_ids, output_hidden_states=True, use_cache=False).hidden_states
+            hidden = ee.family.decoder(ee)(input_ids=input_ids, output_hidden_states=True, use_cache=False).hidden_states
             if self.layer_drop is not None:
                 self.layer_drop.active = False
-            final_logits = ee.lm_head(_gather(hidden[-1], positions)).flatten(0, 1)
+            final_logits = ee.family.head_logits(ee, _gather(hidden[-1], positions)).flatten(0, 1)
             loss = loss + cfg.final_kl_weight * _kl(teacher_logp, final_logits, T)
             final_agree = (final_logits.argmax(-1) == teacher_argmax).float().mean().detach()
         agree = []
@@ -287,17 +287,17 @@ def evaluate_exits(model, blocks: torch.LongTensor, batch_size: int = 4, lora: b
     kl = torch.zeros(len(exits), dtype=torch.float64)
     final_agree = final_kl = 0.0
     count = 0
-    device = ee.model.embed_tokens.weight.device
+    device = ee.device
     for start in range(0, blocks.shape[0], batch_size):
         ids = blocks[start:start + batch_size].to(device)
         with model.disable_adapter() if lora else nullcontext():
-            ref = ee.model(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
-            ref_logits = ee.lm_head(ref[-1]).float().flatten(0, 1)
+            ref = ee.family.decoder(ee)(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
+            ref_logits = ee.family.head_logits(ee, ref[-1]).float().flatten(0, 1)
         ref_logp, ref_argmax = ref_logits.log_softmax(-1), ref_logits.argmax(-1)
         hidden = ref
         if lora:
-            hidden = ee.model(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
-            student = ee.lm_head(hidden[-1]).float().flatten(0, 1)
+            hidden = ee.family.decoder(ee)(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
+            student = ee.family.head_logits(ee, hidden[-1]).float().flatten(0, 1)
             final_agree += float((student.argmax(-1) == ref_argmax).sum())
             final_kl += float(_kl(ref_logp, student, 1.0)) * ref_argmax.numel()
         for i, layer in enumerate(exits):
@@ -338,7 +338,12 @@ def _freeze_for_fitting(model, lora: bool):
     ee = _ee(model)
     for name, p in ee.named_parameters():
         p.requires_grad_(name.startswith("exit_heads.") or (lora and "lora_" in name))
-    ee.model.train(lora)  # dropout-free for the families we support; only LoRA layers need train mode
+    decoder = ee.family.decoder(ee)
+    decoder.eval()  # the backbone's own dropout (GPT-2 has some) stays off: it is the teacher
+    if lora:  # only the LoRA layers train (their dropout included)
+        for name, module in decoder.named_modules():
+            if "lora_" in name:
+                module.train()
     ee.exit_heads.train()
 
 
@@ -551,7 +556,7 @@ def fit_confidence_heads(model, train_blocks, heldout_blocks, config: FitConfig,
     the final argmax" (binary cross-entropy). Backbone and exit heads stay fixed. Returns held-out accuracy and the
     positive rate per exit. Deterministic in `config.seed` (re-run, not checkpointed: it is short)."""
     ee = _ee(model)
-    device = ee.model.embed_tokens.weight.device
+    device = ee.device
     fresh = ee.confidence_heads is None
     heads = ee.add_confidence_heads()
     if fresh:  # start silent (p = 0.5) and deterministic, whatever the runtime's initialiser did
@@ -571,13 +576,13 @@ def fit_confidence_heads(model, train_blocks, heldout_blocks, config: FitConfig,
 
     def features(ids, positions):
         with torch.no_grad():
-            hidden = ee.model(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
-            final = ee.lm_head(_gather(hidden[-1], positions)).argmax(-1)
+            hidden = ee.family.decoder(ee)(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
+            final = ee.family.head_logits(ee, _gather(hidden[-1], positions)).argmax(-1)
             feats, labels = [], []
             for i, layer in enumerate(exits):
                 x = ee.exit_heads[i](_gather(hidden[layer + 1], positions))
                 feats.append(x)
-                labels.append((ee.lm_head(x).argmax(-1) == final).float())
+                labels.append((ee.family.head_logits(ee, x).argmax(-1) == final).float())
         return feats, labels
 
     for step in range(config.confidence_steps):
