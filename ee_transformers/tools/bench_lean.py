@@ -330,6 +330,10 @@ def main(argv=None):
         out.mkdir(parents=True, exist_ok=True)
         (out / "report.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
         (out / "results.md").write_text(table)
+        if profile is not None:
+            from ee_transformers.tools.profile import write_profile
+
+            write_profile(profile, out)  # exit_profile.json / .png
     return 0
 
 
