@@ -149,7 +149,8 @@ def _quality(model, plain, prompts, batch_size, new_tokens, exit_kwargs):
                                             device=model.device):
         config = bench.timing._generation_config(plain, new_tokens)
         full = plain.generate(ids, attention_mask=mask, generation_config=config).sequences
-        ee = model.generate(ids, attention_mask=mask, generation_config=config, **exit_kwargs).sequences
+        config.update(**exit_kwargs, allow_custom_entries=True)  # the mode's settings are generation settings
+        ee = model.generate(ids, attention_mask=mask, generation_config=config).sequences
         views.append(full_model_view(plain, ee, ids.shape[1], mask, eos))
         plain_views.append(full_model_view(plain, full, ids.shape[1], mask, eos))
         rows += identical_share(full[:, ids.shape[1]:].cpu(), ee[:, ids.shape[1]:].cpu(), eos)
@@ -196,7 +197,7 @@ def gains(model, plain, prompts, report, batch_sizes, new_tokens, quick=False, c
                 f"checks exits {report['chosen']['check_layers']}: faster, the text may differ")
         else:
             lines.append(f"| calibrated (stored) | {b} | = full depth | 1.000 | 1.000 | all | {q_full['ppl']:.2f} | "
-                         f"{_gib(weights)} | exits left off: {report.get('message', '').replace('|', '/')} |")
+                         f"{_gib(weights)} | {report.get('message', '').replace('|', '/')} |")
         draft = exits[len(exits) // 2]
         spec = {"assistant_early_exit": draft + 1, "num_assistant_tokens": 4}
         measured = bench.compare(model, plain, prompts, spec, config=config, batch_size=b,
