@@ -41,19 +41,40 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run from a bare checkout, without installing the package
     sys.path.insert(0, str(ROOT))
 
-from ee_transformers.tools import bench, bench_speculative  # noqa: E402
-from ee_transformers.tools.arguments import comma_list  # noqa: E402
 from ee_transformers.configuration_early_exit import EarlyExitLlamaConfig  # noqa: E402
 from ee_transformers.modeling_early_exit import EarlyExitLlamaForCausalLM  # noqa: E402
+from ee_transformers.tools import bench, bench_speculative  # noqa: E402
+from ee_transformers.tools.arguments import comma_list  # noqa: E402
 
-LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                 num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rms_norm_eps=1e-5,
-                 rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, tie_word_embeddings=False,
-                 bos_token_id=128000, eos_token_id=128001, pad_token_id=128001)
+LLAMA3_8B = dict(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+    tie_word_embeddings=False,
+    bos_token_id=128000,
+    eos_token_id=128001,
+    pad_token_id=128001,
+)
 EXITS_8B = [7, 15, 23]  # a quarter, half and three quarters of the depth
-TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=1,
-            eos_token_id=2, pad_token_id=2)
+TINY = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=2,
+)
 EXITS_TINY = [1, 3, 5]
 
 
@@ -84,15 +105,20 @@ def lean_row(fields, exits, dtype, device, prompts, exit_max_layer, budget, cont
     lean.set_exit_max_layer(exit_max_layer)  # sheds the layers above it (their memory is freed)
     ids = [p["ids"][:prompt_tokens] for p in prompts]
     new_tokens = context - prompt_tokens
-    memory = {name: bench_lean.measure_memory(m, ids, new_tokens, {"early_exit": False} if name == "full" else {})
-              for name, m in (("full", full), ("lean", lean))}
+    memory = {
+        name: bench_lean.measure_memory(m, ids, new_tokens, {"early_exit": False} if name == "full" else {})
+        for name, m in (("full", full), ("lean", lean))
+    }
     batch = {name: bench_lean.fit_batch(m, budget) for name, m in memory.items()}
     row = {"exit_max_layer": exit_max_layer, "budget": budget, "context": context, "memory": memory, "batch": batch}
     if min(batch.values()) > 0:
         runs = {"full": (full, batch["full"], {"early_exit": False}), "lean": (lean, batch["lean"], {})}
         speed = bench_lean.interleaved_throughput(runs, ids, new_tokens, repeats, log=lambda m: print(m, flush=True))
-        row.update(tokens_per_s=speed, batch_ratio=batch["lean"] / batch["full"],
-                   throughput_ratio=sorted(lv / fv for lv, fv in zip(speed["lean"], speed["full"]))[repeats // 2])
+        row.update(
+            tokens_per_s=speed,
+            batch_ratio=batch["lean"] / batch["full"],
+            throughput_ratio=sorted(lv / fv for lv, fv in zip(speed["lean"], speed["full"]))[repeats // 2],
+        )
     del full, lean
     return row
 
@@ -106,19 +132,36 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=None, help="default 3 (tiny: 1)")
     parser.add_argument("--forced-grid", choices=["profiles", "full"], default="profiles")
     parser.add_argument("--device", default=None, help="default cuda (tiny: cpu)")
-    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
-                        help="default bfloat16 (tiny: float32)")
+    parser.add_argument(
+        "--dtype", choices=["bfloat16", "float16", "float32"], default=None, help="default bfloat16 (tiny: float32)"
+    )
     parser.add_argument("--no-profile", action="store_true", help="skip the per-step time profiles")
-    parser.add_argument("--speculative", choices=["on", "off", "only"], default="on",
-                        help="self-speculative forced-acceptance rows after (on) or instead of (only) the early-exit ones")
-    parser.add_argument("--lean-max-layer", type=int, default=None,
-                        help="also run the lean row (HELIOS): layers 0..this resident (default 23, tiny: 5)")
-    parser.add_argument("--lean-budget-gb", type=float, default=None,
-                        help="memory budget of the lean row, GiB (default 40, tiny: 0.003)")
+    parser.add_argument(
+        "--speculative",
+        choices=["on", "off", "only"],
+        default="on",
+        help="self-speculative forced-acceptance rows after (on) or instead of (only) the early-exit ones",
+    )
+    parser.add_argument(
+        "--lean-max-layer",
+        type=int,
+        default=None,
+        help="also run the lean row (HELIOS): layers 0..this resident (default 23, tiny: 5)",
+    )
+    parser.add_argument(
+        "--lean-budget-gb",
+        type=float,
+        default=None,
+        help="memory budget of the lean row, GiB (default 40, tiny: 0.003)",
+    )
     parser.add_argument("--lean-context", type=int, default=None, help="tokens per sequence (default 1024, tiny: 64)")
     parser.add_argument("--lean-only", action="store_true", help="run only the lean row")
-    parser.add_argument("--out", default=None, help="output folder (default benchmarks/results/gpu_llama8b_forced, "
-                                                    "tiny: benchmarks/results/gpu_llama8b_forced_tiny)")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="output folder (default benchmarks/results/gpu_llama8b_forced, "
+        "tiny: benchmarks/results/gpu_llama8b_forced_tiny)",
+    )
     args = parser.parse_args(argv)
     tiny = args.tiny
     batch_sizes = args.batch_sizes or ([1, 4] if tiny else [1, 8, 32, 64])
@@ -126,49 +169,74 @@ def main(argv=None):
     repeats = args.repeats or (1 if tiny else 3)
     device = torch.device(args.device or ("cpu" if tiny else "cuda"))
     dtype = getattr(torch, args.dtype or ("float32" if tiny else "bfloat16"))
-    out_dir = Path(args.out or ROOT / "benchmarks" / "results" / ("gpu_llama8b_forced_tiny" if tiny
-                                                                  else "gpu_llama8b_forced"))
+    out_dir = Path(
+        args.out or ROOT / "benchmarks" / "results" / ("gpu_llama8b_forced_tiny" if tiny else "gpu_llama8b_forced")
+    )
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.exit(2, "No CUDA device: run on a GPU machine, or pass --tiny for a CPU smoke run.\n")
 
     start = time.perf_counter()
     fields, exits = (TINY, EXITS_TINY) if tiny else (LLAMA3_8B, EXITS_8B)
     ee_model, plain_model = build_model(fields, exits, dtype, device)
-    print(f"[gpu-bench] built {'tiny' if tiny else 'Llama-3-8B-shaped'} random model on {device} ({dtype}) in "
-          f"{time.perf_counter() - start:.0f} s", flush=True)
+    print(
+        f"[gpu-bench] built {'tiny' if tiny else 'Llama-3-8B-shaped'} random model on {device} ({dtype}) in "
+        f"{time.perf_counter() - start:.0f} s",
+        flush=True,
+    )
     prompts = bench.random_prompts(ee_model.config.vocab_size, max(batch_sizes), args.prompt_tokens)
     merged = None
     if args.lean_only or args.lean_max_layer is not None:
         del ee_model, plain_model  # the lean row builds its own pair
-        row = lean_row(fields, exits, dtype, device, prompts, args.lean_max_layer or (5 if tiny else 23),
-                       int((args.lean_budget_gb or (0.003 if tiny else 40.0)) * 2 ** 30),
-                       args.lean_context or (64 if tiny else 1024), min(args.prompt_tokens, 32 if tiny else 64),
-                       repeats)
+        row = lean_row(
+            fields,
+            exits,
+            dtype,
+            device,
+            prompts,
+            args.lean_max_layer or (5 if tiny else 23),
+            int((args.lean_budget_gb or (0.003 if tiny else 40.0)) * 2**30),
+            args.lean_context or (64 if tiny else 1024),
+            min(args.prompt_tokens, 32 if tiny else 64),
+            repeats,
+        )
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "lean.json").write_text(json.dumps(row, indent=1, default=str) + "\n")
-        print(f"[gpu-bench] lean row: batch {row['batch']}, throughput ratio {row.get('throughput_ratio')}; wrote "
-              f"{out_dir / 'lean.json'}", flush=True)
+        print(
+            f"[gpu-bench] lean row: batch {row['batch']}, throughput ratio {row.get('throughput_ratio')}; wrote "
+            f"{out_dir / 'lean.json'}",
+            flush=True,
+        )
         if args.lean_only:
             return 0
         ee_model, plain_model = build_model(fields, exits, dtype, device)
     for batch_size in batch_sizes if args.speculative != "only" else []:
-        config = bench.BenchConfig(batch_sizes=[batch_size], max_batches=[1], new_tokens=new_tokens, repeats=repeats,
-                                   main_repeats=repeats, calibrated="off", sweep=False, forced_grid=args.forced_grid,
-                                   profile=not args.no_profile)
+        config = bench.BenchConfig(
+            batch_sizes=[batch_size],
+            max_batches=[1],
+            new_tokens=new_tokens,
+            repeats=repeats,
+            main_repeats=repeats,
+            calibrated="off",
+            sweep=False,
+            forced_grid=args.forced_grid,
+            profile=not args.no_profile,
+        )
         report = bench.run_benchmark(ee_model, plain_model, prompts, config, log=lambda m: print(m, flush=True))
         if merged is None:
             merged = report
             merged["model"]["shape"] = "tiny" if tiny else "Llama-3-8B (random bf16 weights)"
             merged["command"] = "python benchmarks/gpu_llama8b_forced.py " + " ".join(
-                sys.argv[1:] if argv is None else argv)
+                sys.argv[1:] if argv is None else argv
+            )
             merged["notes"] = [n for n in merged["notes"] if "calibrated" not in n]
         else:
             merged["settings"]["batch_sizes"].append(batch_size)
             merged["costs"].update(report["costs"])
             merged["results"] += report["results"]
             merged["profiles"] += report["profiles"]
-        merged["targets"] = [t for t in bench.evaluate_targets(merged) if not t["target"].startswith(("calibrated",
-                                                                                                       "frontier"))]
+        merged["targets"] = [
+            t for t in bench.evaluate_targets(merged) if not t["target"].startswith(("calibrated", "frontier"))
+        ]
         merged["wall_seconds"] = time.perf_counter() - start
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "report.json").write_text(json.dumps(bench.jsonable(merged), indent=1) + "\n")
@@ -185,13 +253,22 @@ def speculative(ee_model, plain_model, prompts, batch_sizes, new_tokens, out_dir
     """Self-speculative rows, one batch size at a time (each written as it finishes)."""
     merged = None
     for batch_size in batch_sizes:
-        report = bench_speculative.run_benchmark(ee_model, plain_model, prompts, [batch_size], ks=(2, 4),
-                                                 new_tokens=new_tokens, forced_rates=(1.0, 0.6), heads=False,
-                                                 log=lambda m: print(m, flush=True))
+        report = bench_speculative.run_benchmark(
+            ee_model,
+            plain_model,
+            prompts,
+            [batch_size],
+            ks=(2, 4),
+            new_tokens=new_tokens,
+            forced_rates=(1.0, 0.6),
+            heads=False,
+            log=lambda m: print(m, flush=True),
+        )
         if merged is None:
             merged = report
             merged["command"] = "python benchmarks/gpu_llama8b_forced.py " + " ".join(
-                sys.argv[1:] if argv is None else argv)
+                sys.argv[1:] if argv is None else argv
+            )
         else:
             merged["settings"]["batch_sizes"].append(batch_size)
             merged["costs"].update(report["costs"])

@@ -20,11 +20,16 @@ from transformers import (
     Qwen3Config,
 )
 
-
 EXIT_HEAD_TYPES = ("norm", "adapter")
 # decoding settings the first wave kept in config.json (now generation settings)
-LEGACY_DECODING_FIELDS = ("exit_criterion", "exit_threshold", "exit_policy", "exit_patience", "exit_kv",
-                          "exit_check_layers")
+LEGACY_DECODING_FIELDS = (
+    "exit_criterion",
+    "exit_threshold",
+    "exit_policy",
+    "exit_patience",
+    "exit_kv",
+    "exit_check_layers",
+)
 
 
 def validate_exit_layers(exit_layers, num_hidden_layers: int) -> list[int]:
@@ -122,8 +127,10 @@ class EarlyExitGemma3Config(EarlyExitConfigMixin, Gemma3TextConfig):
     def validate_early_exit(self):
         super().validate_early_exit()
         if self.use_bidirectional_attention:
-            raise ValueError("`use_bidirectional_attention=True` (an embedding model, not a causal LM) is not "
-                             "supported by early exit: allowed value is False.")
+            raise ValueError(
+                "`use_bidirectional_attention=True` (an embedding model, not a causal LM) is not "
+                "supported by early exit: allowed value is False."
+            )
 
 
 class EarlyExitGemma2Config(EarlyExitConfigMixin, Gemma2Config):
@@ -144,8 +151,10 @@ class EarlyExitGPT2Config(EarlyExitConfigMixin, GPT2Config):
     def validate_early_exit(self):
         super().validate_early_exit()
         if self.add_cross_attention:
-            raise ValueError("`add_cross_attention=True` (GPT-2 as the decoder of an encoder-decoder) is not "
-                             "supported by early exit: allowed value is False.")
+            raise ValueError(
+                "`add_cross_attention=True` (GPT-2 as the decoder of an encoder-decoder) is not "
+                "supported by early exit: allowed value is False."
+            )
 
 
 __all__ = [

@@ -22,8 +22,9 @@ def model_class_for(model_type: str) -> type:
     """The early-exit class for a plain (`"llama"`) or early-exit (`"early_exit_llama"`) model type."""
     cls = SUPPORTED_FAMILIES.get(model_type) or _BY_EE_TYPE.get(model_type)
     if cls is None:
-        raise ValueError(f"Unsupported model family {model_type!r}: supported families are "
-                         f"{sorted(SUPPORTED_FAMILIES)}.")
+        raise ValueError(
+            f"Unsupported model family {model_type!r}: supported families are {sorted(SUPPORTED_FAMILIES)}."
+        )
     return cls
 
 
@@ -32,8 +33,10 @@ def read_config(path: str | os.PathLike, argument: str = "path") -> dict:
     the file when the folder is missing, holds no config.json, or it is not a JSON object."""
     folder = str(path)
     if not os.path.isdir(folder):
-        raise InputError(f"`{argument}` {folder!r} " + ("is a file, not a model folder." if os.path.exists(folder)
-                                                        else "does not exist."))
+        raise InputError(
+            f"`{argument}` {folder!r} "
+            + ("is a file, not a model folder." if os.path.exists(folder) else "does not exist.")
+        )
     config_file = os.path.join(folder, "config.json")
     if not os.path.isfile(config_file):
         raise InputError(f"`{argument}` {folder!r} is not a model folder: no config.json in it.")
@@ -43,14 +46,20 @@ def read_config(path: str | os.PathLike, argument: str = "path") -> dict:
     except (OSError, UnicodeDecodeError) as error:
         raise InputError(f"{config_file} cannot be read ({error}).") from None
     except json.JSONDecodeError as error:
-        raise InputError(f"{config_file} is not valid JSON ({error.msg} at line {error.lineno} column "
-                         f"{error.colno}).") from None
+        raise InputError(
+            f"{config_file} is not valid JSON ({error.msg} at line {error.lineno} column {error.colno})."
+        ) from None
     if not isinstance(config, dict):
         raise InputError(f"{config_file} must hold a JSON object, not a JSON {type(config).__name__}.")
     return config
 
 
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 
 
 def check_weights(path, argument: str = "path") -> None:
@@ -81,8 +90,13 @@ def check_weights(path, argument: str = "path") -> None:
             raise InputError(f"`{argument}` {folder!r}: the weights {name} cannot be read ({error}).") from None
 
 
-def from_base(path: str | os.PathLike, exit_layers: list[int] | None = None, exit_head: str | None = None,
-              exit_adapter_rank: int | None = None, **kwargs) -> PreTrainedModel:
+def from_base(
+    path: str | os.PathLike,
+    exit_layers: list[int] | None = None,
+    exit_head: str | None = None,
+    exit_adapter_rank: int | None = None,
+    **kwargs,
+) -> PreTrainedModel:
     """Loads a plain (or early-exit) checkpoint folder into the early-exit class of its family.
 
     `exit_layers` (and `exit_head`, `exit_adapter_rank`) override what the checkpoint's config holds; exit settings
@@ -93,8 +107,11 @@ def from_base(path: str | os.PathLike, exit_layers: list[int] | None = None, exi
         check_exit_argument(name, kwargs.get(name))
     config = read_config(path)
     cls = model_class_for(config.get("model_type"))
-    overrides = {k: v for k, v in dict(exit_layers=exit_layers, exit_head=exit_head,
-                                       exit_adapter_rank=exit_adapter_rank).items() if v is not None}
+    overrides = {
+        k: v
+        for k, v in dict(exit_layers=exit_layers, exit_head=exit_head, exit_adapter_rank=exit_adapter_rank).items()
+        if v is not None
+    }
     # validate on a config object first: bad exit arguments fail here, before weights are touched
     fields = {k: v for k, v in config.items() if k not in ("model_type", "architectures", "auto_map")}
     fields.update(overrides)

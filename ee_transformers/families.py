@@ -47,7 +47,6 @@ import torch
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.models.llama.modeling_llama import rotate_half
 
-
 # layer type -> the mask function transformers' decoders use for it
 MASK_FUNCTIONS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
 
@@ -121,8 +120,11 @@ class FamilyAdapter:
     def layer_inputs(self, model, h, attention_mask, cache, position_ids, layer_idx=None) -> LayerInputs:
         """Masks and position embeddings as the family's decoder builds them. `layer_idx` sizes the masks from that
         layer's cache (deferred K/V: a layer may receive more queries than the others)."""
-        return LayerInputs(self.build_masks(model.config, h, attention_mask, cache, position_ids, layer_idx),
-                           self.positions(model, h, position_ids), position_ids)
+        return LayerInputs(
+            self.build_masks(model.config, h, attention_mask, cache, position_ids, layer_idx),
+            self.positions(model, h, position_ids),
+            position_ids,
+        )
 
     def positions(self, model, h, position_ids) -> dict:
         rotary = self.decoder(model).rotary_emb(h, position_ids)
@@ -141,16 +143,26 @@ class FamilyAdapter:
             kind = self.layer_type(config, j)
             if kind not in masks:
                 masks[kind] = MASK_FUNCTIONS[kind](
-                    config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, cache=cache,
-                    position_ids=position_ids, layer_idx=None if layer_idx is None else j,
+                    config=config,
+                    inputs_embeds=inputs_embeds,
+                    attention_mask=attention_mask,
+                    cache=cache,
+                    position_ids=position_ids,
+                    layer_idx=None if layer_idx is None else j,
                 )
         return masks
 
     # one layer ----------------------------------------------------------------------------------------------------
     def run_layer(self, model, j, h, inputs: LayerInputs, cache):
         kind = self.layer_type(model.config, j)
-        return self.layers(model)[j](h, attention_mask=inputs.masks[kind], position_embeddings=inputs.positions[kind],
-                                     position_ids=inputs.position_ids, cache=cache, use_cache=cache is not None)
+        return self.layers(model)[j](
+            h,
+            attention_mask=inputs.masks[kind],
+            position_embeddings=inputs.positions[kind],
+            position_ids=inputs.position_ids,
+            cache=cache,
+            use_cache=cache is not None,
+        )
 
     def key_value(self, model, j, states, inputs: LayerInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values layer `j` stores for residual states `(B, q, D)` entering it: two `(B, kv_heads, q,
@@ -295,8 +307,13 @@ class GPT2Adapter(FamilyAdapter):
         return {}
 
     def run_layer(self, model, j, h, inputs: LayerInputs, cache):
-        return self.layers(model)[j](h, cache=cache, attention_mask=inputs.masks["full_attention"],
-                                     position_ids=inputs.position_ids, use_cache=cache is not None)
+        return self.layers(model)[j](
+            h,
+            cache=cache,
+            attention_mask=inputs.masks["full_attention"],
+            position_ids=inputs.position_ids,
+            use_cache=cache is not None,
+        )
 
     def attention_input(self, layer, states):
         return layer.ln_1(states)

@@ -126,9 +126,11 @@ class LearnedCriterion(ExitCriterion):
 
     def validate(self, config):
         if not getattr(config, "exit_confidence_heads", False):
-            raise ValueError("`exit_criterion='learned'` needs trained confidence heads, and this model has none; fit "
-                             "them with the training script's confidence stage, or use one of "
-                             f"{[c for c in EXIT_CRITERIA if c != 'learned']}.")
+            raise ValueError(
+                "`exit_criterion='learned'` needs trained confidence heads, and this model has none; fit "
+                "them with the training script's confidence stage, or use one of "
+                f"{[c for c in EXIT_CRITERIA if c != 'learned']}."
+            )
 
     def score(self, check):
         return check.model.confidence_heads[check.exit_index](check.head_out)
@@ -153,8 +155,15 @@ def register_exit_criterion(name: str, criterion: ExitCriterion) -> None:
 # settings
 # ---------------------------------------------------------------------------------------------------------------------
 # exit settings: generation settings (GenerationConfig attributes, generate kwargs, from_pretrained kwargs)
-EXIT_FIELDS = ("exit_criterion", "exit_threshold", "exit_policy", "exit_patience", "exit_kv", "exit_check_layers",
-               *LEAN_FIELDS)
+EXIT_FIELDS = (
+    "exit_criterion",
+    "exit_threshold",
+    "exit_policy",
+    "exit_patience",
+    "exit_kv",
+    "exit_check_layers",
+    *LEAN_FIELDS,
+)
 EXIT_ARGUMENTS = ("early_exit",) + EXIT_FIELDS
 EXIT_POLICIES = ("batch", "row")
 EXIT_KV_MODES = ("immediate", "deferred")
@@ -173,13 +182,16 @@ def check_exit_argument(name: str, value, exit_layers=None) -> None:
             raise ValueError(f"`early_exit` must be True, False or None, got {value!r}.")
     elif name == "exit_criterion":
         if not isinstance(value, ExitCriterion) and value not in EXIT_CRITERIA:
-            raise ValueError(f"`exit_criterion` must be one of {list(EXIT_CRITERIA)} (a str), an ExitCriterion or None, "
-                             f"got {value!r}.")
+            raise ValueError(
+                f"`exit_criterion` must be one of {list(EXIT_CRITERIA)} (a str), an ExitCriterion or None, "
+                f"got {value!r}."
+            )
     elif name == "exit_threshold":
         values = value if isinstance(value, (list, tuple)) else [value]
         if not values or any(isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) for v in values):
-            raise ValueError(f"`exit_threshold` must be a float or a non-empty list of floats (one per checked exit), "
-                             f"got {value!r}.")
+            raise ValueError(
+                f"`exit_threshold` must be a float or a non-empty list of floats (one per checked exit), got {value!r}."
+            )
     elif name == "exit_policy":
         if value not in EXIT_POLICIES:
             raise ValueError(f"`exit_policy` must be one of {list(EXIT_POLICIES)}, got {value!r}.")
@@ -195,8 +207,9 @@ def check_exit_argument(name: str, value, exit_layers=None) -> None:
         if exit_layers is not None:
             layers = list(value)
             if not layers or layers != sorted(set(layers)) or any(v not in exit_layers for v in layers):
-                raise ValueError(f"`exit_check_layers` must be a sorted, non-empty subset of the exits {exit_layers}, "
-                                 f"got {value!r}.")
+                raise ValueError(
+                    f"`exit_check_layers` must be a sorted, non-empty subset of the exits {exit_layers}, got {value!r}."
+                )
     elif name in LEAN_FIELDS:
         check_lean_argument(name, value)
     else:
@@ -253,23 +266,29 @@ def resolve_exit_settings(config, values: dict) -> ExitSettings | None:
         return None
     if not exit_layers:
         if early_exit or named:
-            raise ValueError(f"`{named[0] if named else 'early_exit'}` was given but this model has no exit heads "
-                             "(`config.exit_layers` is empty); build one with "
-                             "`ee_transformers.from_base(path, exit_layers=[...])`.")
+            raise ValueError(
+                f"`{named[0] if named else 'early_exit'}` was given but this model has no exit heads "
+                "(`config.exit_layers` is empty); build one with "
+                "`ee_transformers.from_base(path, exit_layers=[...])`."
+            )
         return None
 
     criterion, threshold = values.get("exit_criterion"), values.get("exit_threshold")
     patience = values.get("exit_patience") or 0
     if criterion is None and threshold is None and not patience:
         if early_exit or named:
-            raise ValueError(f"`{named[0] if named else 'early_exit'}` was given but no exit criterion is set: pass "
-                             "`exit_criterion` and `exit_threshold` (or `exit_patience`), or store them in "
-                             "`model.generation_config`.")
+            raise ValueError(
+                f"`{named[0] if named else 'early_exit'}` was given but no exit criterion is set: pass "
+                "`exit_criterion` and `exit_threshold` (or `exit_patience`), or store them in "
+                "`model.generation_config`."
+            )
         return None
     policy, kv = values.get("exit_policy") or "batch", values.get("exit_kv") or "immediate"
     if kv == "deferred" and policy == "row":
-        raise ValueError("`exit_kv='deferred'` is supported with `exit_policy='batch'` only (rows of a batch would hold "
-                         "different numbers of deferred tokens); use `exit_kv='immediate'` with `exit_policy='row'`.")
+        raise ValueError(
+            "`exit_kv='deferred'` is supported with `exit_policy='batch'` only (rows of a batch would hold "
+            "different numbers of deferred tokens); use `exit_kv='immediate'` with `exit_policy='row'`."
+        )
     criterion = EXIT_CRITERIA[criterion or "max_prob"] if not isinstance(criterion, ExitCriterion) else criterion
     criterion.validate(config)
 
@@ -278,20 +297,33 @@ def resolve_exit_settings(config, values: dict) -> ExitSettings | None:
         threshold = criterion.default_threshold
     if threshold is None:
         if not patience:
-            raise ValueError("`exit_threshold` is required with `exit_criterion`; give a float or one per checked exit.")
+            raise ValueError(
+                "`exit_threshold` is required with `exit_criterion`; give a float or one per checked exit."
+            )
         threshold = math.inf  # stable-token exits only
     thresholds = list(threshold) if isinstance(threshold, (list, tuple)) else [threshold] * len(check_layers)
     if len(thresholds) != len(check_layers):
-        raise ValueError(f"`exit_threshold` has {len(thresholds)} values but {len(check_layers)} exits are checked "
-                         f"({check_layers}); give one float or one per checked exit.")
+        raise ValueError(
+            f"`exit_threshold` has {len(thresholds)} values but {len(check_layers)} exits are checked "
+            f"({check_layers}); give one float or one per checked exit."
+        )
     low, high = criterion.score_range
     for value in thresholds:
         if value != math.inf and not low <= value <= high:
-            raise ValueError(f"`exit_threshold`={value!r} is outside the range of the criterion's score: allowed "
-                             f"values are {low} <= exit_threshold <= {high}.")
+            raise ValueError(
+                f"`exit_threshold`={value!r} is outside the range of the criterion's score: allowed "
+                f"values are {low} <= exit_threshold <= {high}."
+            )
     breach_limit, breach_window = resolve_guard(values)
-    return ExitSettings(criterion=criterion, thresholds=dict(zip(check_layers, map(float, thresholds))),
-                        policy=policy, patience=patience, kv=kv, breach_limit=breach_limit, breach_window=breach_window)
+    return ExitSettings(
+        criterion=criterion,
+        thresholds=dict(zip(check_layers, map(float, thresholds))),
+        policy=policy,
+        patience=patience,
+        kv=kv,
+        breach_limit=breach_limit,
+        breach_window=breach_window,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -328,8 +360,9 @@ class Decided:
             with record_function("ee::final_head"):
                 head_input = torch.cat([g[3] for g in waiting])
                 computed = iter(model.family.head_logits(model, head_input).split([g[0].numel() for g in waiting]))
-            self.groups = [(r, layer, next(computed) if x is None else x, None, greedy)
-                           for r, layer, x, _, greedy in self.groups]
+            self.groups = [
+                (r, layer, next(computed) if x is None else x, None, greedy) for r, layer, x, _, greedy in self.groups
+            ]
         first = self.groups[0][2]
         logits = first.new_zeros(self.batch_size, first.shape[-1])
         exit_layers = torch.full((self.batch_size,), -1, dtype=torch.long, device=first.device)
@@ -376,8 +409,12 @@ def decide(model, decided, layer, h_last, idx, rows, logits=None, head_out=None,
         elif head_out is not None:
             decided.add(rows.index_select(0, idx), layer, head_input=head_out.index_select(0, idx), greedy=greedy)
         else:
-            decided.add(rows.index_select(0, idx), layer, head_input=model.head_input(layer, h_last.index_select(0, idx)),
-                        greedy=greedy)
+            decided.add(
+                rows.index_select(0, idx),
+                layer,
+                head_input=model.head_input(layer, h_last.index_select(0, idx)),
+                greedy=greedy,
+            )
 
 
 def backfill_kv(model, layer_idx, states, inputs):
@@ -417,8 +454,16 @@ def prefill(model, h, attention_mask, position_ids, cache, settings, state):
             if rows.numel() == 0:
                 return decided.finish(model)
     last = h[:, -1].index_select(0, rows)
-    decide(model, decided, depth - 1, last, torch.arange(rows.numel(), device=h.device), rows, *left,
-           greedy=depth < num_layers)
+    decide(
+        model,
+        decided,
+        depth - 1,
+        last,
+        torch.arange(rows.numel(), device=h.device),
+        rows,
+        *left,
+        greedy=depth < num_layers,
+    )
     return decided.finish(model)
 
 
@@ -479,8 +524,16 @@ def decode_one_token(model, h, attention_mask, mask_2d, position_ids, cache, set
         done_inputs, inputs = step_inputs.select(done_rows, batch), step_inputs.select(rows, batch)
         layer_cache = RowSubsetCache(cache, rows, _filler(model, batch, done_rows, done_states, done_inputs))
 
-    decide(model, decided, depth - 1, h[:, -1], torch.arange(rows.numel(), device=h.device), rows, *left,
-           greedy=depth < num_layers)
+    decide(
+        model,
+        decided,
+        depth - 1,
+        h[:, -1],
+        torch.arange(rows.numel(), device=h.device),
+        rows,
+        *left,
+        greedy=depth < num_layers,
+    )
     if keeps_exit_states(model, settings):  # lean, guard on: the states leaving the deepest layer, in batch order
         if exited_rows:
             done_rows, done_states = torch.cat(exited_rows + [rows]), torch.cat(exited_states + [h])
@@ -546,8 +599,9 @@ def _step_inputs(model, input_ids, model_kwargs, first):
     if first:
         past = model_kwargs["cache"].get_seq_length()
         length = input_ids.shape[1] - past if past else None
-        inputs = model.prepare_inputs_for_generation(input_ids, next_sequence_length=length, is_first_iteration=True,
-                                                     **model_kwargs)
+        inputs = model.prepare_inputs_for_generation(
+            input_ids, next_sequence_length=length, is_first_iteration=True, **model_kwargs
+        )
     else:
         inputs = model.prepare_inputs_for_generation(input_ids, next_sequence_length=1, **model_kwargs)
         if inputs.get("cache") is None:  # the family restarts from the whole sequence (Phi-3 past its original
@@ -555,8 +609,18 @@ def _step_inputs(model, input_ids, model_kwargs, first):
     return inputs["input_ids"], inputs.get("attention_mask"), inputs.get("position_ids")
 
 
-def early_exit_generate(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
-                        exit_settings=None, exit_streamer=None, exit_switch=None, **model_kwargs):
+def early_exit_generate(
+    model,
+    input_ids,
+    logits_processor,
+    stopping_criteria,
+    generation_config,
+    synced_gpus=False,
+    exit_settings=None,
+    exit_streamer=None,
+    exit_switch=None,
+    **model_kwargs,
+):
     """The decoding loop `generate` runs with early exit (passed as `custom_generate`): transformers' sampling loop,
     except that each step's logits come from the head each row exited at (`early_exit_step`).
 
@@ -576,8 +640,11 @@ def early_exit_generate(model, input_ids, logits_processor, stopping_criteria, g
     unfinished = torch.ones(batch_size, dtype=torch.long, device=input_ids.device)
     cache = model_kwargs["cache"] = EarlyExitCache.from_cache(model_kwargs["cache"])
     step_exit_layers, step_greedy, deepenings = [], [], []
-    guard = BreachGuard(exit_settings.breach_limit, exit_settings.breach_window) if keeps_exit_states(
-        model, exit_settings) else None
+    guard = (
+        BreachGuard(exit_settings.breach_limit, exit_settings.breach_window)
+        if keeps_exit_states(model, exit_settings)
+        else None
+    )
     if exit_streamer is not None:  # generate streams the prompt first; it left the streamer to this loop
         exit_streamer.put(input_ids.cpu())
     first = True
@@ -588,8 +655,9 @@ def early_exit_generate(model, input_ids, logits_processor, stopping_criteria, g
                 model, cache, exit_settings = switch
                 model_kwargs["cache"], first = cache, True
         ids, mask, position_ids = _step_inputs(model, input_ids, model_kwargs, first)
-        logits, exit_layers, greedy = early_exit_step(model, ids, mask, position_ids, cache, exit_settings,
-                                                      unfinished, mask_2d=model_kwargs.get("attention_mask"))
+        logits, exit_layers, greedy = early_exit_step(
+            model, ids, mask, position_ids, cache, exit_settings, unfinished, mask_2d=model_kwargs.get("attention_mask")
+        )
         first = False
         model_kwargs = model._update_model_kwargs_for_generation({"cache": cache}, model_kwargs)
 
@@ -626,9 +694,15 @@ def early_exit_generate(model, input_ids, logits_processor, stopping_criteria, g
         exit_streamer.end()
     if not return_dict:
         return input_ids
-    return GenerateEarlyExitOutput(sequences=input_ids, scores=scores, logits=raw_logits, cache=cache,
-                                   exit_layers=torch.stack(step_exit_layers, dim=1),
-                                   greedy_exits=torch.stack(step_greedy, dim=1), deepenings=deepenings)
+    return GenerateEarlyExitOutput(
+        sequences=input_ids,
+        scores=scores,
+        logits=raw_logits,
+        cache=cache,
+        exit_layers=torch.stack(step_exit_layers, dim=1),
+        greedy_exits=torch.stack(step_greedy, dim=1),
+        deepenings=deepenings,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -674,8 +748,9 @@ class ExitStats:
         return None if self.verify_rounds is None else self.accepted_tokens / max(self.verify_rounds, 1)
 
     @classmethod
-    def from_exit_layers(cls, exit_layers: torch.Tensor, num_layers: int, greedy_exits: torch.Tensor | None = None,
-                         deepenings=()) -> "ExitStats":
+    def from_exit_layers(
+        cls, exit_layers: torch.Tensor, num_layers: int, greedy_exits: torch.Tensor | None = None, deepenings=()
+    ) -> "ExitStats":
         decided = exit_layers[exit_layers >= 0]
         greedy = 0 if greedy_exits is None else int(greedy_exits[exit_layers >= 0].sum())
         if decided.numel() == 0:
@@ -700,32 +775,61 @@ class ExitStats:
             raise ValueError("`output` has no `exit_layers`: call generate with `return_dict_in_generate=True`.")
         steps = slice(-last, None) if last else slice(None)
         greedy = getattr(output, "greedy_exits", None)
-        stats = cls.from_exit_layers(output.exit_layers[:, steps], model.config.num_hidden_layers,
-                                     None if greedy is None else greedy[:, steps],
-                                     getattr(output, "deepenings", None) or ())
+        stats = cls.from_exit_layers(
+            output.exit_layers[:, steps],
+            model.config.num_hidden_layers,
+            None if greedy is None else greedy[:, steps],
+            getattr(output, "deepenings", None) or (),
+        )
         if getattr(output, "draft_tokens", None) is not None:
             stats.draft_tokens, stats.accepted_tokens, stats.verify_rounds = (
-                int(getattr(output, name).sum()) for name in ("draft_tokens", "accepted_tokens", "verify_rounds"))
+                int(getattr(output, name).sum()) for name in ("draft_tokens", "accepted_tokens", "verify_rounds")
+            )
         return stats
 
     def __str__(self):
         hist = ", ".join(f"{layer}: {count}" for layer, count in sorted(self.histogram.items()))
-        text = (f"{self.num_tokens} tokens, mean exit layer {self.mean_exit_layer:.2f} of {self.num_layers - 1}, "
-                f"{100 * self.compute_saved:.1f}% of layer compute skipped; histogram {{{hist}}}")
+        text = (
+            f"{self.num_tokens} tokens, mean exit layer {self.mean_exit_layer:.2f} of {self.num_layers - 1}, "
+            f"{100 * self.compute_saved:.1f}% of layer compute skipped; histogram {{{hist}}}"
+        )
         if self.greedy_exits:
             text += f"; {self.greedy_exits} greedy exits ({100 * self.greedy_rate:.1f}%)"
         if self.deepenings:
             text += "; deepened " + ", ".join(f"{old}->{new} after {n} steps" for n, old, new in self.deepenings)
         if self.draft_tokens is not None:
-            text += (f"; speculative: {100 * self.acceptance_rate:.1f}% of {self.draft_tokens} drafts accepted, "
-                     f"{self.mean_accepted_length:.2f} per round")
+            text += (
+                f"; speculative: {100 * self.acceptance_rate:.1f}% of {self.draft_tokens} drafts accepted, "
+                f"{self.mean_accepted_length:.2f} per round"
+            )
         return text
 
 
 __all__ = [
-    "EXIT_ARGUMENTS", "EXIT_CRITERIA", "EXIT_FIELDS", "EXIT_KV_MODES", "EXIT_POLICIES", "LOGIT_CRITERIA",
-    "Check", "Decided", "ExitCriterion", "ExitSettings", "ExitStats", "GenerateEarlyExitOutput", "StepState",
-    "backfill_kv", "check_exit", "check_exit_argument", "decide", "decode_one_token", "early_exit_generate",
-    "early_exit_step", "exit_layers_after_eos", "logit_score", "merged_exit_values", "prefill",
-    "register_exit_criterion", "resolve_exit_settings",
+    "EXIT_ARGUMENTS",
+    "EXIT_CRITERIA",
+    "EXIT_FIELDS",
+    "EXIT_KV_MODES",
+    "EXIT_POLICIES",
+    "LOGIT_CRITERIA",
+    "Check",
+    "Decided",
+    "ExitCriterion",
+    "ExitSettings",
+    "ExitStats",
+    "GenerateEarlyExitOutput",
+    "StepState",
+    "backfill_kv",
+    "check_exit",
+    "check_exit_argument",
+    "decide",
+    "decode_one_token",
+    "early_exit_generate",
+    "early_exit_step",
+    "exit_layers_after_eos",
+    "logit_score",
+    "merged_exit_values",
+    "prefill",
+    "register_exit_criterion",
+    "resolve_exit_settings",
 ]

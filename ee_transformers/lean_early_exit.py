@@ -32,7 +32,6 @@ import torch
 from torch import nn
 from transformers.utils import cached_file
 
-
 LEAN_FIELDS = ("exit_breach_limit", "exit_breach_window")  # generation settings of the quality guard
 
 
@@ -53,9 +52,13 @@ def check_exit_max_layer(config, value) -> None:
     allowed = allowed_max_layers(config)
     if not _is_int(value) or value not in allowed:
         beyond = _is_int(value) and value >= config.num_hidden_layers
-        where = f" (the model has {config.num_hidden_layers} layers, 0..{config.num_hidden_layers - 1})" if beyond else ""
-        raise ValueError(f"`exit_max_layer` must be an exit layer or the last layer: allowed values are {allowed}, got "
-                         f"{value!r}{where}.")
+        where = (
+            f" (the model has {config.num_hidden_layers} layers, 0..{config.num_hidden_layers - 1})" if beyond else ""
+        )
+        raise ValueError(
+            f"`exit_max_layer` must be an exit layer or the last layer: allowed values are {allowed}, got "
+            f"{value!r}{where}."
+        )
 
 
 def check_lean_argument(name: str, value) -> None:
@@ -64,12 +67,16 @@ def check_lean_argument(name: str, value) -> None:
         return
     if name == "exit_breach_limit":
         if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or not 0 <= value <= 1:
-            raise ValueError(f"`exit_breach_limit` must be a share of greedy exits: allowed values are "
-                             f"0 <= exit_breach_limit <= 1, got {value!r}.")
+            raise ValueError(
+                f"`exit_breach_limit` must be a share of greedy exits: allowed values are "
+                f"0 <= exit_breach_limit <= 1, got {value!r}."
+            )
     elif name == "exit_breach_window":
         if not _is_int(value) or value < 1:
-            raise ValueError(f"`exit_breach_window` must be a number of decided tokens: allowed values are integers "
-                             f">= 1, got {value!r}.")
+            raise ValueError(
+                f"`exit_breach_window` must be a number of decided tokens: allowed values are integers "
+                f">= 1, got {value!r}."
+            )
     else:
         raise ValueError(f"Unknown quality-guard setting `{name}`: allowed names are {list(LEAN_FIELDS)}.")
 
@@ -81,9 +88,11 @@ def resolve_guard(values: dict) -> tuple[float | None, int | None]:
         check_lean_argument(name, values.get(name))
     if (limit is None) != (window is None):
         given, missing = LEAN_FIELDS if window is None else LEAN_FIELDS[::-1]
-        raise ValueError(f"`{missing}` is required with `{given}`: the guard "
-                         "deepens when more than `exit_breach_limit` of the last `exit_breach_window` decided tokens "
-                         "were greedy exits; give both, or neither.")
+        raise ValueError(
+            f"`{missing}` is required with `{given}`: the guard "
+            "deepens when more than `exit_breach_limit` of the last `exit_breach_window` decided tokens "
+            "were greedy exits; give both, or neither."
+        )
     return (None if limit is None else float(limit)), window
 
 
@@ -103,9 +112,11 @@ class ShedLayer(nn.Module):
         self._blueprint = (blueprint,)
 
     def forward(self, *args, **kwargs):
-        raise RuntimeError(f"Decoder layer {self.index} is not loaded (lean model: `exit_max_layer` is below it). Use "
-                           "`generate`, which stops at the deepest loaded layer, or load it with "
-                           "`model.set_exit_max_layer(...)`.")
+        raise RuntimeError(
+            f"Decoder layer {self.index} is not loaded (lean model: `exit_max_layer` is below it). Use "
+            "`generate`, which stops at the deepest loaded layer, or load it with "
+            "`model.set_exit_max_layer(...)`."
+        )
 
     def extra_repr(self):
         return f"index={self.index}, not loaded"
@@ -148,8 +159,10 @@ def _checkpoint_files(model) -> dict[str, str]:
     """{checkpoint key: safetensors file} of the folder (or Hub cache) the model was loaded from."""
     source = getattr(model, "name_or_path", None) or getattr(model.config, "_name_or_path", None)
     if not source:
-        raise ValueError("This model was not loaded from a folder, so its shed layers cannot be read back; load it "
-                         "with `from_pretrained(folder, exit_max_layer=...)`.")
+        raise ValueError(
+            "This model was not loaded from a folder, so its shed layers cannot be read back; load it "
+            "with `from_pretrained(folder, exit_max_layer=...)`."
+        )
     index = cached_file(source, "model.safetensors.index.json", _raise_exceptions_for_missing_entries=False)
     if index is not None:
         with open(index) as f:
@@ -177,7 +190,7 @@ def _read_layer(model, files: dict, j: int, device) -> dict[str, torch.Tensor]:
     tensors = {}
     for file in sorted(set(wanted.values())):
         with safe_open(file, framework="pt", device=str(device)) as f:
-            tensors.update({k[len(prefix):]: f.get_tensor(k) for k, owner in wanted.items() if owner == file})
+            tensors.update({k[len(prefix) :]: f.get_tensor(k) for k, owner in wanted.items() if owner == file})
     return tensors
 
 
@@ -189,8 +202,10 @@ def load_layers(model, exit_max_layer: int) -> list[int]:
     todo = [j for j in range(exit_max_layer + 1) if isinstance(layers[j], ShedLayer)]
     if todo:
         if getattr(model, "hf_quantizer", None) is not None:
-            raise NotImplementedError("Loading shed layers into a quantized model is not supported: load it with the "
-                                      "`exit_max_layer` it needs.")
+            raise NotImplementedError(
+                "Loading shed layers into a quantized model is not supported: load it with the "
+                "`exit_max_layer` it needs."
+            )
         files = _checkpoint_files(model)
         for j in todo:
             device = next(layers[j - 1].parameters()).device
@@ -295,18 +310,39 @@ def kv_bytes_per_token(cache) -> dict:
 
 def memory_report(model, cache=None) -> dict:
     """Resident parameter bytes and loaded depth of `model`; with a `cache`, its measured K/V bytes per token."""
-    report = {"exit_max_layer": loaded_depth(model) - 1, "loaded_layers": loaded_depth(model),
-              "resident_parameter_bytes": resident_parameter_bytes(model)}
+    report = {
+        "exit_max_layer": loaded_depth(model) - 1,
+        "loaded_layers": loaded_depth(model),
+        "resident_parameter_bytes": resident_parameter_bytes(model),
+    }
     if cache is not None:
         kv = kv_bytes_per_token(cache)
-        report.update(kv_layers=kv["layers"], kv_bytes_per_token=kv["bytes_per_token"],
-                      kept_bytes_per_token=kv["kept_bytes_per_token"])
+        report.update(
+            kv_layers=kv["layers"],
+            kv_bytes_per_token=kv["bytes_per_token"],
+            kept_bytes_per_token=kv["kept_bytes_per_token"],
+        )
     return report
 
 
 __all__ = [
-    "LEAN_FIELDS", "BreachGuard", "ShedLayer", "allowed_max_layers", "check_exit_max_layer", "check_lean_argument",
-    "deepen", "is_lean", "keep_exit_states", "keeps_exit_states", "kv_bytes_per_token", "load_layers",
-    "loaded_depth", "memory_report", "next_max_layer", "resident_parameter_bytes", "resolve_guard",
-    "set_exit_max_layer", "shed_layers",
+    "LEAN_FIELDS",
+    "BreachGuard",
+    "ShedLayer",
+    "allowed_max_layers",
+    "check_exit_max_layer",
+    "check_lean_argument",
+    "deepen",
+    "is_lean",
+    "keep_exit_states",
+    "keeps_exit_states",
+    "kv_bytes_per_token",
+    "load_layers",
+    "loaded_depth",
+    "memory_report",
+    "next_max_layer",
+    "resident_parameter_bytes",
+    "resolve_guard",
+    "set_exit_max_layer",
+    "shed_layers",
 ]

@@ -79,7 +79,6 @@ from .generation_early_exit import (
 from .lean_early_exit import is_lean, set_exit_max_layer, shed_layers
 from .speculative_early_exit import speculation_requested, speculative_generate
 
-
 logger = logging.get_logger(__name__)
 
 
@@ -191,18 +190,25 @@ class EarlyExitMixin(ExitHeadsMixin):
         for name, value in settings.items():
             check_exit_argument(name, value)
         want_info = kwargs.pop("output_loading_info", False)
-        model, info = super().from_pretrained(pretrained_model_name_or_path, *model_args, output_loading_info=True,
-                                              **kwargs)
+        model, info = super().from_pretrained(
+            pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
+        )
         missing = getattr(model, "_missing_exit_modules", [])
         if missing:
-            logger.warning(f"Initialised {', '.join(missing)} from the final norm / as untrained: not in the checkpoint.")
+            logger.warning(
+                f"Initialised {', '.join(missing)} from the final norm / as untrained: not in the checkpoint."
+            )
         legacy = {k: v for k, v in model.config.pop_legacy_exit_settings().items() if v is not None}
-        if not (legacy.get("exit_criterion") or legacy.get("exit_threshold") is not None or legacy.get("exit_patience")):
+        if not (
+            legacy.get("exit_criterion") or legacy.get("exit_threshold") is not None or legacy.get("exit_patience")
+        ):
             legacy = {}  # the first wave stored policy/kv defaults even with exits off
         model.set_exit_defaults(**{**legacy, **settings})
         path = str(pretrained_model_name_or_path)
-        if model.tokenizer is None and os.path.isdir(path) and any(
-            os.path.exists(os.path.join(path, name)) for name in ("tokenizer.json", "tokenizer_config.json")
+        if (
+            model.tokenizer is None
+            and os.path.isdir(path)
+            and any(os.path.exists(os.path.join(path, name)) for name in ("tokenizer.json", "tokenizer_config.json"))
         ):
             try:
                 model.tokenizer = AutoTokenizer.from_pretrained(path, config=model.config)
@@ -238,9 +244,11 @@ class EarlyExitMixin(ExitHeadsMixin):
         the exit settings) and this runtime code; also the tokenizer loaded with the model, and a model card when
         `ee_transformers` is installed (it registers `model_card_writer`)."""
         if is_lean(self):
-            raise ValueError(f"This model holds decoder layers 0..{self.exit_max_layer} only (`exit_max_layer`); "
-                             "saving it would write a checkpoint without the others. Load every layer first: "
-                             f"`model.set_exit_max_layer({self.config.num_hidden_layers - 1})`.")
+            raise ValueError(
+                f"This model holds decoder layers 0..{self.exit_max_layer} only (`exit_max_layer`); "
+                "saving it would write a checkpoint without the others. Load every layer first: "
+                f"`model.set_exit_max_layer({self.config.num_hidden_layers - 1})`."
+            )
         if self.base_model_class is not None:  # AutoModel -> the family's early-exit decoder
             auto_map = dict(getattr(self.config, "auto_map", None) or {})
             auto_map["AutoModel"] = f"{type(self).__module__.split('.')[-1]}.{self.base_model_class.__name__}"
@@ -285,8 +293,15 @@ class EarlyExitMixin(ExitHeadsMixin):
         if output_exit_logits:
             kwargs["output_hidden_states"] = True
         out = super().forward(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-            inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            inputs_embeds=inputs_embeds,
+            labels=labels,
+            use_cache=use_cache,
+            logits_to_keep=logits_to_keep,
+            **kwargs,
         )
         exit_logits = None
         if output_exit_logits:
@@ -297,8 +312,11 @@ class EarlyExitMixin(ExitHeadsMixin):
                 for i, layer in enumerate(self.config.exit_layers)
             )
         return EarlyExitCausalLMOutput(
-            loss=out.loss, logits=out.logits, cache=out.cache,
-            hidden_states=out.hidden_states if user_hidden else None, attentions=out.attentions,
+            loss=out.loss,
+            logits=out.logits,
+            cache=out.cache,
+            hidden_states=out.hidden_states if user_hidden else None,
+            attentions=out.attentions,
             exit_logits=exit_logits,
         )
 
@@ -321,31 +339,48 @@ class EarlyExitMixin(ExitHeadsMixin):
         """
         if speculation_requested(self, generation_config, kwargs):
             if is_lean(self):
-                raise ValueError(f"`assistant_early_exit` verifies with every layer above the draft exit, but this model "
-                                 f"holds decoder layers 0..{self.exit_max_layer} only; load them with "
-                                 f"`model.set_exit_max_layer({self.config.num_hidden_layers - 1})` first.")
-            return super().generate(inputs, generation_config=generation_config, custom_generate=speculative_generate,
-                                    spec_streamer=kwargs.pop("streamer", None), **kwargs)
+                raise ValueError(
+                    f"`assistant_early_exit` verifies with every layer above the draft exit, but this model "
+                    f"holds decoder layers 0..{self.exit_max_layer} only; load them with "
+                    f"`model.set_exit_max_layer({self.config.num_hidden_layers - 1})` first."
+                )
+            return super().generate(
+                inputs,
+                generation_config=generation_config,
+                custom_generate=speculative_generate,
+                spec_streamer=kwargs.pop("streamer", None),
+                **kwargs,
+            )
         values = merged_exit_values(self, generation_config, kwargs)
         settings = resolve_exit_settings(self.config, values)
         if settings is None and is_lean(self):  # lean, no exit settings: every token exits at exit_max_layer
             if values["early_exit"] is False:
-                raise ValueError(f"`early_exit=False` asks for full depth, but this model holds decoder layers "
-                                 f"0..{self.exit_max_layer} only; load the rest with `model.set_exit_max_layer("
-                                 f"{self.config.num_hidden_layers - 1})`, or leave exit settings out to exit every "
-                                 "token at `exit_max_layer`.")
+                raise ValueError(
+                    f"`early_exit=False` asks for full depth, but this model holds decoder layers "
+                    f"0..{self.exit_max_layer} only; load the rest with `model.set_exit_max_layer("
+                    f"{self.config.num_hidden_layers - 1})`, or leave exit settings out to exit every "
+                    "token at `exit_max_layer`."
+                )
             settings = ExitSettings(criterion=EXIT_CRITERIA["max_prob"], thresholds={})
         if settings is None:
             eos = kwargs.get("eos_token_id", getattr(generation_config or self.generation_config, "eos_token_id", None))
             out = super().generate(inputs, generation_config=generation_config, **kwargs)
-            return self._with_full_depth_exit_layers(out, inputs if inputs is not None else kwargs.get("input_ids"),
-                                                     eos)
+            return self._with_full_depth_exit_layers(
+                out, inputs if inputs is not None else kwargs.get("input_ids"), eos
+            )
         self._refuse_with_exits(generation_config, kwargs)
-        return super().generate(inputs, generation_config=generation_config, custom_generate=early_exit_generate,
-                                exit_settings=settings, exit_streamer=kwargs.pop("streamer", None), **kwargs)
+        return super().generate(
+            inputs,
+            generation_config=generation_config,
+            custom_generate=early_exit_generate,
+            exit_settings=settings,
+            exit_streamer=kwargs.pop("streamer", None),
+            **kwargs,
+        )
 
     def _refuse_with_exits(self, generation_config, kwargs):
         """What early-exit decoding cannot honour raises here, never silently."""
+
         def given(name):
             value = kwargs.get(name)
             if value is None and generation_config is not None:
@@ -353,28 +388,35 @@ class EarlyExitMixin(ExitHeadsMixin):
             return value if value is not None else getattr(self.generation_config, name, None)
 
         if (given("num_beams") or 1) > 1:
-            raise ValueError(f"Early-exit decoding does not support beam search (`num_beams={given('num_beams')}`); "
-                             "pass `early_exit=False` or `num_beams=1`.")
+            raise ValueError(
+                f"Early-exit decoding does not support beam search (`num_beams={given('num_beams')}`); "
+                "pass `early_exit=False` or `num_beams=1`."
+            )
         for name in ("assistant_model", "prompt_lookup_num_tokens", "custom_generate"):
             if given(name) is not None:
                 raise ValueError(f"Early-exit decoding cannot be combined with `{name}`; pass `early_exit=False`.")
         for name in ("output_hidden_states", "output_attentions"):
             if given(name):
-                raise ValueError(f"`{name}=True` is not available with early exit: rows stop at different layers, so "
-                                 "there is no per-layer tensor for the whole batch. Pass `early_exit=False` for them, "
-                                 "or read `exit_layers` (return_dict_in_generate=True) for where each token exited.")
+                raise ValueError(
+                    f"`{name}=True` is not available with early exit: rows stop at different layers, so "
+                    "there is no per-layer tensor for the whole batch. Pass `early_exit=False` for them, "
+                    "or read `exit_layers` (return_dict_in_generate=True) for where each token exited."
+                )
         if given("compile_config") is not None:
-            raise ValueError("`compile_config` is not available with early exit: the layer loop stops at "
-                             "data-dependent depths, which transformers' compiled forward cannot follow. Pass "
-                             "`early_exit=False` to compile the full-depth forward.")
+            raise ValueError(
+                "`compile_config` is not available with early exit: the layer loop stops at "
+                "data-dependent depths, which transformers' compiled forward cannot follow. Pass "
+                "`early_exit=False` to compile the full-depth forward."
+            )
 
     def _with_full_depth_exit_layers(self, out, input_ids, eos_token_id):
         """A full-depth `generate` output with `exit_layers` (every token at the last layer, -1 after EOS)."""
         if type(out) is not GenerateDecoderOnlyOutput or input_ids is None:
             return out
         prompt_length = input_ids.shape[1]
-        exit_layers = exit_layers_after_eos(out.sequences[:, prompt_length:], eos_token_id,
-                                            self.config.num_hidden_layers - 1)
+        exit_layers = exit_layers_after_eos(
+            out.sequences[:, prompt_length:], eos_token_id, self.config.num_hidden_layers - 1
+        )
         return GenerateEarlyExitOutput(**{**out, "exit_layers": exit_layers})
 
 
@@ -395,20 +437,41 @@ class EarlyExitDecoderMixin(ExitHeadsMixin):
         super().__init__(config)
         self._add_exit_heads(config)
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
-                use_cache=None, output_exit_hidden_states: bool = False, **kwargs) -> EarlyExitModelOutput:
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        cache=None,
+        inputs_embeds=None,
+        use_cache=None,
+        output_exit_hidden_states: bool = False,
+        **kwargs,
+    ) -> EarlyExitModelOutput:
         user_hidden = kwargs.get("output_hidden_states", False)
         if output_exit_hidden_states:
             kwargs["output_hidden_states"] = True
-        out = super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                              cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+        out = super().forward(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
         exit_states = None
         if output_exit_hidden_states:  # hidden_states[e + 1] is the residual stream leaving layer e
-            exit_states = tuple(self.exit_heads[i](out.hidden_states[layer + 1])
-                                for i, layer in enumerate(self.config.exit_layers))
-        return EarlyExitModelOutput(last_hidden_state=out.last_hidden_state, cache=out.cache,
-                                    hidden_states=out.hidden_states if user_hidden else None,
-                                    attentions=out.attentions, exit_hidden_states=exit_states)
+            exit_states = tuple(
+                self.exit_heads[i](out.hidden_states[layer + 1]) for i, layer in enumerate(self.config.exit_layers)
+            )
+        return EarlyExitModelOutput(
+            last_hidden_state=out.last_hidden_state,
+            cache=out.cache,
+            hidden_states=out.hidden_states if user_hidden else None,
+            attentions=out.attentions,
+            exit_hidden_states=exit_states,
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------------------

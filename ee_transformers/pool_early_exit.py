@@ -87,7 +87,7 @@ class TokenCosts:
         """The cost of a token decided at decoder layer `layer`: the layers it ran, the checks it passed, the skipped
         layers' K/V and its head."""
         last = len(self.layers) - 1
-        cost = sum(self.layers[: layer + 1]) + sum(self.skipped[layer + 1:])
+        cost = sum(self.layers[: layer + 1]) + sum(self.skipped[layer + 1 :])
         cost += sum(c for j, c in self.checks.items() if j <= layer and j != last)
         if layer == last or layer not in self.checks or not self.reuse_logits:
             cost += self.head
@@ -129,8 +129,10 @@ def analytic_costs(model, settings) -> TokenCosts:
     if settings.kv == "deferred":
         skipped = [0] * num_layers  # the token rides along with the next deep one: no weight is read for it alone
     else:
-        skipped = [_numel(layer.input_layernorm) + _numel(layer.self_attn.k_proj) + _numel(layer.self_attn.v_proj)
-                   for layer in layers]
+        skipped = [
+            _numel(layer.input_layernorm) + _numel(layer.self_attn.k_proj) + _numel(layer.self_attn.v_proj)
+            for layer in layers
+        ]
     return TokenCosts(full, skipped, checks, final_head, settings.needs_logits)
 
 
@@ -152,8 +154,13 @@ def measured_costs(table: dict, model, settings, rows: int) -> TokenCosts:
         name = {"cosine": "cosine_check", "learned": "learned_check"}.get(settings.criterion.name, "decision")
         check = ms.get(name, ms["decision"])
     skipped = ms["deferred_extra"] if settings.kv == "deferred" else ms["backfill"]
-    return TokenCosts(layers, [skipped] * num_layers, {j: check for j in settings.check_layers}, ms["final_head"],
-                      settings.needs_logits)
+    return TokenCosts(
+        layers,
+        [skipped] * num_layers,
+        {j: check for j in settings.check_layers},
+        ms["final_head"],
+        settings.needs_logits,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -246,9 +253,10 @@ def _check_positive_int(name, value, meaning):
 
 def _is_early_exit_model(model) -> bool:
     # duck-typed: a model loaded with trust_remote_code has classes of another module
-    return all(hasattr(model, name) for name in ("family", "exit_heads", "exit_logits_from_hidden",
-                                                 "_refuse_with_exits")) and \
-        getattr(getattr(model, "config", None), "exit_layers", None) is not None
+    return (
+        all(hasattr(model, name) for name in ("family", "exit_heads", "exit_logits_from_hidden", "_refuse_with_exits"))
+        and getattr(getattr(model, "config", None), "exit_layers", None) is not None
+    )
 
 
 def _first_vocab_difference(a: dict, b: dict):
@@ -273,32 +281,40 @@ class EarlyExitPool:
             raise ValueError(f"`models` must be a non-empty list of early-exit models, got {models!r}.")
         for i, model in enumerate(models):
             if not _is_early_exit_model(model):
-                raise ValueError(f"`models[{i}]` ({type(model).__name__}) is not an early-exit model: allowed are "
-                                 "early-exit causal LMs (`ee_transformers.from_base(path, exit_layers=[...])`).")
+                raise ValueError(
+                    f"`models[{i}]` ({type(model).__name__}) is not an early-exit model: allowed are "
+                    "early-exit causal LMs (`ee_transformers.from_base(path, exit_layers=[...])`)."
+                )
         first = models[0]
         for i, model in enumerate(models[1:], start=1):
             sizes = (first.config.vocab_size, model.config.vocab_size)
             heads = (first.get_output_embeddings().weight.shape[0], model.get_output_embeddings().weight.shape[0])
             if sizes[0] != sizes[1] or heads[0] != heads[1]:
-                raise ValueError(f"`models` must share one vocabulary: models[0] has vocab_size {sizes[0]} (LM head "
-                                 f"{heads[0]} rows), models[{i}] has {sizes[1]} ({heads[1]} rows).")
+                raise ValueError(
+                    f"`models` must share one vocabulary: models[0] has vocab_size {sizes[0]} (LM head "
+                    f"{heads[0]} rows), models[{i}] has {sizes[1]} ({heads[1]} rows)."
+                )
             tokenizers = (getattr(first, "tokenizer", None), getattr(model, "tokenizer", None))
             if None not in tokenizers:
                 diff = _first_vocab_difference(tokenizers[0].get_vocab(), tokenizers[1].get_vocab())
                 if diff is not None:
-                    raise ValueError(f"`models` must share one tokenizer: models[0] and models[{i}] disagree on token "
-                                     f"{diff[0]!r} (id {diff[1]} vs {diff[2]}).")
+                    raise ValueError(
+                        f"`models` must share one tokenizer: models[0] and models[{i}] disagree on token "
+                        f"{diff[0]!r} (id {diff[1]} vs {diff[2]})."
+                    )
             if model.device != first.device:
-                raise ValueError(f"`models` must sit on one device: models[0] is on {first.device}, models[{i}] on "
-                                 f"{model.device}.")
+                raise ValueError(
+                    f"`models` must sit on one device: models[0] is on {first.device}, models[{i}] on {model.device}."
+                )
         self.models = list(models)
 
     def __len__(self):
         return len(self.models)
 
     @torch.no_grad()
-    def generate(self, inputs=None, generation_config=None, *, pool_interval=16, pool_profile_every=1, pool_costs=None,
-                 **kwargs):
+    def generate(
+        self, inputs=None, generation_config=None, *, pool_interval=16, pool_profile_every=1, pool_costs=None, **kwargs
+    ):
         """`model.generate` over the pool: greedy or sampling, logits processors, stopping criteria, streamers, padded
         batches, `num_return_sequences`, exit settings (`exit_criterion=...`, over each model's stored settings).
 
@@ -312,10 +328,15 @@ class EarlyExitPool:
         """
         _check_positive_int("pool_interval", pool_interval, "tokens between switching decisions")
         _check_positive_int("pool_profile_every", pool_profile_every, "profile inactive models every k-th boundary")
-        if pool_costs is not None and (not isinstance(pool_costs, (list, tuple)) or len(pool_costs) != len(self) or
-                                       not all(set(MEASURED_PIECES) <= set(t.get("ms", ())) for t in pool_costs)):
-            raise ValueError(f"`pool_costs` must be None or a list of {len(self)} `measure_costs` tables (dicts whose "
-                             f"'ms' holds at least {list(MEASURED_PIECES)}), one per model.")
+        if pool_costs is not None and (
+            not isinstance(pool_costs, (list, tuple))
+            or len(pool_costs) != len(self)
+            or not all(set(MEASURED_PIECES) <= set(t.get("ms", ())) for t in pool_costs)
+        ):
+            raise ValueError(
+                f"`pool_costs` must be None or a list of {len(self)} `measure_costs` tables (dicts whose "
+                f"'ms' holds at least {list(MEASURED_PIECES)}), one per model."
+            )
         for name in ("cache", "past_key_values"):
             if kwargs.get(name) is not None:
                 raise ValueError(f"`{name}` cannot be passed to the pool: every model keeps its own cache.")
@@ -328,21 +349,31 @@ class EarlyExitPool:
             settings.append(resolved if resolved is not None else ExitSettings(ExitCriterion(), thresholds={}))
             model._refuse_with_exits(generation_config, kwargs)  # beams, assistants, per-layer outputs, compile
         if kwargs.get("cache_implementation") not in (None, "dynamic"):
-            raise ValueError(f"`cache_implementation={kwargs['cache_implementation']!r}` is not available from the "
-                             "pool: every model keeps one dynamic cache.")
+            raise ValueError(
+                f"`cache_implementation={kwargs['cache_implementation']!r}` is not available from the "
+                "pool: every model keeps one dynamic cache."
+            )
         input_ids = inputs if inputs is not None else kwargs.get("input_ids")
         if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
-            raise ValueError("`inputs` must be a `(batch, length)` tensor of token ids (the pool takes no "
-                             "`inputs_embeds`).")
+            raise ValueError(
+                "`inputs` must be a `(batch, length)` tensor of token ids (the pool takes no `inputs_embeds`)."
+            )
 
         request = _Request(self.models, settings, input_ids.shape[1], pool_interval, pool_profile_every, pool_costs)
         kwargs["cache"] = request.caches[0]
         streamer = kwargs.pop("streamer", None)
         # the first model's generate prepares the request (config, logits processors, stopping criteria, expansion)
         # and runs the early-exit loop, which asks `request` before every step which model decides it
-        out = GenerationMixin.generate(self.models[0], inputs, generation_config=generation_config,
-                                       custom_generate=early_exit_generate, exit_settings=settings[0],
-                                       exit_streamer=streamer, exit_switch=request, **kwargs)
+        out = GenerationMixin.generate(
+            self.models[0],
+            inputs,
+            generation_config=generation_config,
+            custom_generate=early_exit_generate,
+            exit_settings=settings[0],
+            exit_streamer=streamer,
+            exit_switch=request,
+            **kwargs,
+        )
         if not isinstance(out, GenerateEarlyExitOutput):
             return out
         return GenerateEarlyExitPoolOutput(**out, **request.summary(out.exit_layers))
@@ -398,8 +429,11 @@ class _Request:
             fresh.add(target)
 
     def predicted(self, i, rows):
-        costs = self.costs[i] if self.costs is not None else measured_costs(self.pool_costs[i], self.models[i],
-                                                                           self.settings[i], rows)
+        costs = (
+            self.costs[i]
+            if self.costs is not None
+            else measured_costs(self.pool_costs[i], self.models[i], self.settings[i], rows)
+        )
         return costs.per_token(self.profiles[i])
 
     def catch_up(self, i, input_ids, attention_mask, exit_layers):
@@ -416,20 +450,31 @@ class _Request:
         exits = profile_exits(model, settings, at_exit, (input_ids.shape[0], stop - start))
         self.caught_up[i] += input_ids.shape[0] * (stop - start)
         # position p decides token p + 1: generated step p + 1 - prompt_length, if its row was still going
-        steps = exit_layers[max(start + 1 - self.prompt_length, 0): stop + 1 - self.prompt_length]
+        steps = exit_layers[max(start + 1 - self.prompt_length, 0) : stop + 1 - self.prompt_length]
         if steps:
             decided = torch.stack(steps, dim=1) >= 0  # (B, the last len(steps) positions)
-            self.profiles[i].update(exits[:, -decided.shape[1]:][decided.to(exits.device)].tolist())
+            self.profiles[i].update(exits[:, -decided.shape[1] :][decided.to(exits.device)].tolist())
 
     def summary(self, exit_layers):
         """The pool's fields of the output, once the loop is done (the last step joins the active model's profile)."""
         last = exit_layers[:, -1]
         self.profiles[self.active].update(last[last >= 0].tolist())
         deciders = torch.tensor(self.deciders[: exit_layers.shape[1]], device=exit_layers.device)
-        return dict(model_indices=torch.where(exit_layers >= 0, deciders.expand_as(exit_layers), -1),
-                    switches=tuple(self.switches), profiles=tuple(dict(sorted(p.items())) for p in self.profiles),
-                    caught_up=tuple(self.caught_up))
+        return dict(
+            model_indices=torch.where(exit_layers >= 0, deciders.expand_as(exit_layers), -1),
+            switches=tuple(self.switches),
+            profiles=tuple(dict(sorted(p.items())) for p in self.profiles),
+            caught_up=tuple(self.caught_up),
+        )
 
 
-__all__ = ["EarlyExitPool", "GenerateEarlyExitPoolOutput", "PoolSwitch", "TokenCosts", "analytic_costs", "catch_up",
-           "measured_costs", "profile_exits"]
+__all__ = [
+    "EarlyExitPool",
+    "GenerateEarlyExitPoolOutput",
+    "PoolSwitch",
+    "TokenCosts",
+    "analytic_costs",
+    "catch_up",
+    "measured_costs",
+    "profile_exits",
+]

@@ -53,7 +53,6 @@ from transformers.generation.stopping_criteria import MaxLengthCriteria, Stoppin
 
 from .generation_early_exit import EXIT_ARGUMENTS, GenerateEarlyExitOutput
 
-
 # ---------------------------------------------------------------------------------------------------------------------
 # settings
 # ---------------------------------------------------------------------------------------------------------------------
@@ -69,8 +68,13 @@ def speculation_requested(model, generation_config, kwargs) -> bool:
     explicit None turns a stored value off, as in transformers), else in `generation_config`, else in
     `model.generation_config`. Raises a `ValueError` for what it cannot be combined with."""
     sources = [c for c in (generation_config, model.generation_config) if c is not None]
-    value = kwargs["assistant_early_exit"] if "assistant_early_exit" in kwargs else next(
-        (c.assistant_early_exit for c in sources if getattr(c, "assistant_early_exit", None) is not None), None)
+    value = (
+        kwargs["assistant_early_exit"]
+        if "assistant_early_exit" in kwargs
+        else next(
+            (c.assistant_early_exit for c in sources if getattr(c, "assistant_early_exit", None) is not None), None
+        )
+    )
     if value is None:
         return False
 
@@ -79,13 +83,16 @@ def speculation_requested(model, generation_config, kwargs) -> bool:
 
     for name in EXIT_ARGUMENTS:
         if given(name):
-            raise ValueError(f"`assistant_early_exit` cannot be combined with `{name}`: self-speculative decoding always "
-                             "decides at full depth, confident exits stop early. Pass one or the other (stored "
-                             "confident-exit defaults are not used with `assistant_early_exit`).")
+            raise ValueError(
+                f"`assistant_early_exit` cannot be combined with `{name}`: self-speculative decoding always "
+                "decides at full depth, confident exits stop early. Pass one or the other (stored "
+                "confident-exit defaults are not used with `assistant_early_exit`)."
+            )
     for name in ("assistant_model", "prompt_lookup_num_tokens"):
         if given(name):
-            raise ValueError(f"`assistant_early_exit` drafts with the model's own exit head; it cannot be combined "
-                             f"with `{name}`.")
+            raise ValueError(
+                f"`assistant_early_exit` drafts with the model's own exit head; it cannot be combined with `{name}`."
+            )
     return True
 
 
@@ -110,9 +117,11 @@ def resolve_speculative_settings(model, generation_config) -> SpeculativeSetting
     exits = list(config.exit_layers or [])
     value = generation_config.assistant_early_exit
     if not _is_int(value) or value - 1 not in exits:
-        raise ValueError(f"`assistant_early_exit` is the number of decoder layers that draft and must end at an exit of "
-                         f"this model: allowed values are {[e + 1 for e in exits]} (the exits after 0-based layers "
-                         f"{exits}), got {value!r}.")
+        raise ValueError(
+            f"`assistant_early_exit` is the number of decoder layers that draft and must end at an exit of "
+            f"this model: allowed values are {[e + 1 for e in exits]} (the exits after 0-based layers "
+            f"{exits}), got {value!r}."
+        )
     num_tokens = generation_config.num_assistant_tokens
     if not _is_int(num_tokens) or num_tokens < 1:
         raise ValueError(f"`num_assistant_tokens` must be an integer >= 1, got {num_tokens!r}.")
@@ -124,18 +133,24 @@ def resolve_speculative_settings(model, generation_config) -> SpeculativeSetting
     if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 <= threshold <= 1.0:
         raise ValueError(f"`assistant_confidence_threshold` must be a float in [0, 1], got {threshold!r}.")
     if (generation_config.num_beams or 1) > 1:
-        raise ValueError(f"`assistant_early_exit` does not support beam search (`num_beams="
-                         f"{generation_config.num_beams}`); use greedy or sampling.")
+        raise ValueError(
+            f"`assistant_early_exit` does not support beam search (`num_beams="
+            f"{generation_config.num_beams}`); use greedy or sampling."
+        )
     for name in ("output_hidden_states", "output_attentions"):
         if getattr(generation_config, name, False):
-            raise ValueError(f"`{name}=True` is not available with `assistant_early_exit`: tokens are computed in "
-                             "drafts and verification passes, not one forward per token.")
+            raise ValueError(
+                f"`{name}=True` is not available with `assistant_early_exit`: tokens are computed in "
+                "drafts and verification passes, not one forward per token."
+            )
     sliding = any(model.family.layer_type(config, j) == "sliding_attention" for j in range(config.num_hidden_layers))
     if sliding and generation_config.max_length > config.sliding_window:
-        raise ValueError(f"`assistant_early_exit` with sliding-window attention needs the whole generation inside the "
-                         f"window: `max_length`={generation_config.max_length} > `sliding_window`="
-                         f"{config.sliding_window} (rows of a batch keep gaps in the cache, and a window counted in "
-                         "cache slots would see other tokens than plain generate).")
+        raise ValueError(
+            f"`assistant_early_exit` with sliding-window attention needs the whole generation inside the "
+            f"window: `max_length`={generation_config.max_length} > `sliding_window`="
+            f"{config.sliding_window} (rows of a batch keep gaps in the cache, and a window counted in "
+            "cache slots would see other tokens than plain generate)."
+        )
     schedule = "heuristic" if schedule.startswith("heuristic") else schedule  # K never outlives the call here
     return SpeculativeSettings(value - 1, exits.index(value - 1), num_tokens, schedule, float(threshold))
 
@@ -170,8 +185,7 @@ class RaggedBatch:
         self.tokens = input_ids.new_full((batch, 2 * max_length - prompt + 1), pad_token_id)
         self.tokens[:, :prompt] = input_ids
         self.length = torch.full((batch,), prompt, dtype=torch.long, device=device)
-        self.slots = (torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None
-                      else attention_mask.bool())
+        self.slots = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         self.positions = self.slots.sum(-1)
         self.gapless = bool(self.slots.all())
         self.stopped = torch.zeros(batch, dtype=torch.bool, device=device)
@@ -282,7 +296,7 @@ class RaggedBatch:
         """Moves every row's kept slots to the right end, in order, in every layer, and drops the dead columns (an
         ended row keeps only its latest slots)."""
         n, width = self.slots.shape[1], self._needed(active)
-        order = torch.sort(self.slots.to(torch.uint8), dim=1, stable=True).indices[:, n - width:]  # (B, width)
+        order = torch.sort(self.slots.to(torch.uint8), dim=1, stable=True).indices[:, n - width :]  # (B, width)
         for layer in cache.layers:
             keys, values = layer.keys[:, :, :n], layer.values[:, :, :n]
             index = order[:, None, :, None]
@@ -347,8 +361,9 @@ def verify(model, exit_layer, states, batch, cache):
     for each), against those layers' cache (the kept past); returns the final head's logits `(B, q, V)` (float32)."""
     fam = model.family
     position_ids = batch.position_ids(0, states.shape[1])
-    inputs = fam.layer_inputs(model, states, batch.attention_mask(states.shape[1]), cache, position_ids,
-                              layer_idx=exit_layer + 1)  # masks sized from layer E+1's cache, which lacks the round
+    inputs = fam.layer_inputs(
+        model, states, batch.attention_mask(states.shape[1]), cache, position_ids, layer_idx=exit_layer + 1
+    )  # masks sized from layer E+1's cache, which lacks the round
     h = states
     with record_function("ee::verify"):
         for j in range(exit_layer + 1, model.config.num_hidden_layers):
@@ -418,8 +433,10 @@ class GenerateSpeculativeOutput(GenerateEarlyExitOutput):
 def _capacity(cache) -> int:
     """The most slots every layer holds, and attends to, in order (-1: no limit): a static layer's size; a dynamic
     sliding layer's window - 1 (beyond it, it would drop slots, and its mask hide them)."""
-    sizes = [layer.sliding_window - 1 if hasattr(layer, "sliding_window") else layer.get_max_length()
-             for layer in cache.layers]
+    sizes = [
+        layer.sliding_window - 1 if hasattr(layer, "sliding_window") else layer.get_max_length()
+        for layer in cache.layers
+    ]
     return min([n for n in sizes if n > 0], default=-1)
 
 
@@ -431,40 +448,60 @@ def _record(buffer, values, before, counts):
     buffer[r, before[r] + j] = values[r, j]
 
 
-def speculative_generate(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
-                         spec_streamer=None, **model_kwargs):
+def speculative_generate(
+    model,
+    input_ids,
+    logits_processor,
+    stopping_criteria,
+    generation_config,
+    synced_gpus=False,
+    spec_streamer=None,
+    **model_kwargs,
+):
     """The decoding loop of `generate(assistant_early_exit=...)` (passed as `custom_generate`): prefill at full depth,
     then rounds of draft, verify, accept, commit until every row has stopped."""
     settings = resolve_speculative_settings(model, generation_config)
     if synced_gpus:
-        raise ValueError("`assistant_early_exit` does not support `synced_gpus`: rows finish after different numbers of "
-                         "rounds, which peers would have to match.")
+        raise ValueError(
+            "`assistant_early_exit` does not support `synced_gpus`: rows finish after different numbers of "
+            "rounds, which peers would have to match."
+        )
     cache = model_kwargs.get("cache")
     if not model_kwargs.get("use_cache", True) or cache is None:
         raise ValueError("`assistant_early_exit` needs a KV cache: call generate with `use_cache=True`.")
     if cache.get_seq_length() > 0:
         raise ValueError("`assistant_early_exit` starts from an empty cache; pass no `cache` holding a prefix.")
     if not cache.is_croppable:
-        raise ValueError(f"`assistant_early_exit` needs a cache whose rejected slots can be cropped; "
-                         f"{type(cache).__name__} cannot be.")
+        raise ValueError(
+            f"`assistant_early_exit` needs a cache whose rejected slots can be cropped; "
+            f"{type(cache).__name__} cannot be."
+        )
     if spec_streamer is not None and input_ids.shape[0] > 1:
-        raise ValueError("A streamer takes one row's tokens; with `assistant_early_exit` rows of a batch advance by "
-                         "different amounts, so stream at batch size 1.")
+        raise ValueError(
+            "A streamer takes one row's tokens; with `assistant_early_exit` rows of a batch advance by "
+            "different amounts, so stream at batch size 1."
+        )
     sample = generation_config.do_sample
     exit_layer, num_layers = settings.exit_layer, model.config.num_hidden_layers
     pad = generation_config._pad_token_tensor
-    max_length = min([generation_config.max_length] +
-                     [c.max_length for c in stopping_criteria if isinstance(c, MaxLengthCriteria)])
+    max_length = min(
+        [generation_config.max_length] + [c.max_length for c in stopping_criteria if isinstance(c, MaxLengthCriteria)]
+    )
     criteria = StoppingCriteriaList([c for c in stopping_criteria if not isinstance(c, MaxLengthCriteria)])
     pad_mode = any(hasattr(c, "eos_token_id") for c in stopping_criteria)  # as plain generate decides it
-    batch = RaggedBatch(input_ids, model_kwargs.get("attention_mask"), max_length, pad_mode,
-                        int(pad) if pad is not None else 0)
+    batch = RaggedBatch(
+        input_ids, model_kwargs.get("attention_mask"), max_length, pad_mode, int(pad) if pad is not None else 0
+    )
     size, prompt = input_ids.shape
     device = input_ids.device
     return_dict = generation_config.return_dict_in_generate
     steps = max_length - prompt
-    buffers = [torch.zeros(size, steps, model.config.vocab_size, device=device)
-               if return_dict and getattr(generation_config, name) else None for name in ("output_scores", "output_logits")]
+    buffers = [
+        torch.zeros(size, steps, model.config.vocab_size, device=device)
+        if return_dict and getattr(generation_config, name)
+        else None
+        for name in ("output_scores", "output_logits")
+    ]
 
     def choose(scores):  # (B, V) -> a token per row
         if sample:
@@ -556,13 +593,31 @@ def speculative_generate(model, input_ids, logits_processor, stopping_criteria, 
         ended = torch.arange(new_steps, device=device) >= (batch.length - prompt)[:, None]
         exit_layers = exit_layers.masked_fill(ended, -1)
     scores, raw_logits = (None if b is None else tuple(b[:, s] for s in range(new_steps)) for b in buffers)
-    return GenerateSpeculativeOutput(sequences=sequences, scores=scores, logits=raw_logits, cache=cache,
-                                     exit_layers=exit_layers, draft_tokens=drafted, accepted_tokens=accepted_total,
-                                     verify_rounds=rounds, draft_lengths=torch.tensor(draft_lengths, dtype=torch.long))
+    return GenerateSpeculativeOutput(
+        sequences=sequences,
+        scores=scores,
+        logits=raw_logits,
+        cache=cache,
+        exit_layers=exit_layers,
+        draft_tokens=drafted,
+        accepted_tokens=accepted_total,
+        verify_rounds=rounds,
+        draft_lengths=torch.tensor(draft_lengths, dtype=torch.long),
+    )
 
 
 __all__ = [
-    "GenerateSpeculativeOutput", "RaggedBatch", "SCHEDULES", "SpeculativeSettings", "accept_greedy", "accept_sampled",
-    "draft_head", "draft_step", "prefill", "resolve_speculative_settings", "speculation_requested",
-    "speculative_generate", "verify",
+    "GenerateSpeculativeOutput",
+    "RaggedBatch",
+    "SCHEDULES",
+    "SpeculativeSettings",
+    "accept_greedy",
+    "accept_sampled",
+    "draft_head",
+    "draft_step",
+    "prefill",
+    "resolve_speculative_settings",
+    "speculation_requested",
+    "speculative_generate",
+    "verify",
 ]

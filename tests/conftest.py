@@ -29,11 +29,20 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-
 torch.set_num_threads(1)
 
-TINY = dict(vocab_size=99, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=98, max_position_embeddings=256)
+TINY = dict(
+    vocab_size=99,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=98,
+    max_position_embeddings=256,
+)
 
 # Small enough to bite within the tests' lengths: a 7-token prompt plus 6 new tokens is 13 positions, so sliding
 # layers both mask (prefill) and evict (dynamic and static caches keep only the last window) during every test.
@@ -53,18 +62,37 @@ FAMILIES = {
     "mistral": FamilySpec(MistralConfig, MistralForCausalLM, {"sliding_window": None}),
     "mistral-sliding": FamilySpec(MistralConfig, MistralForCausalLM, {"sliding_window": SLIDING_WINDOW}),
     "qwen2": FamilySpec(Qwen2Config, Qwen2ForCausalLM, {}),
-    "qwen2-sliding": FamilySpec(Qwen2Config, Qwen2ForCausalLM, {"use_sliding_window": True,
-                                                                "sliding_window": SLIDING_WINDOW,
-                                                                "layer_types": MIXED_LAYERS}),
+    "qwen2-sliding": FamilySpec(
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        {"use_sliding_window": True, "sliding_window": SLIDING_WINDOW, "layer_types": MIXED_LAYERS},
+    ),
     "qwen3": FamilySpec(Qwen3Config, Qwen3ForCausalLM, {"head_dim": 8}),
     # Gemma: local/global alternation with a window that bites, local and global rotary bases, final soft-cap (the
     # Gemma 3 release has none; the test model sets one so the exits' soft-cap is checked on both)
-    "gemma3": FamilySpec(Gemma3TextConfig, Gemma3ForCausalLM, {
-        "head_dim": 8, "query_pre_attn_scalar": 8, "sliding_window": SLIDING_WINDOW, "layer_types": GEMMA_LAYERS,
-        "final_logit_softcapping": 0.2}),
-    "gemma2": FamilySpec(Gemma2Config, Gemma2ForCausalLM, {
-        "head_dim": 8, "query_pre_attn_scalar": 8, "sliding_window": SLIDING_WINDOW, "layer_types": GEMMA_LAYERS,
-        "final_logit_softcapping": 0.2, "attn_logit_softcapping": 0.5}),
+    "gemma3": FamilySpec(
+        Gemma3TextConfig,
+        Gemma3ForCausalLM,
+        {
+            "head_dim": 8,
+            "query_pre_attn_scalar": 8,
+            "sliding_window": SLIDING_WINDOW,
+            "layer_types": GEMMA_LAYERS,
+            "final_logit_softcapping": 0.2,
+        },
+    ),
+    "gemma2": FamilySpec(
+        Gemma2Config,
+        Gemma2ForCausalLM,
+        {
+            "head_dim": 8,
+            "query_pre_attn_scalar": 8,
+            "sliding_window": SLIDING_WINDOW,
+            "layer_types": GEMMA_LAYERS,
+            "final_logit_softcapping": 0.2,
+            "attn_logit_softcapping": 0.5,
+        },
+    ),
     # Phi-3 with partial rotary (as Phi-4-mini): half of each key head rotates
     "phi3": FamilySpec(Phi3Config, Phi3ForCausalLM, {"partial_rotary_factor": 0.5}),
     "olmo2": FamilySpec(Olmo2Config, Olmo2ForCausalLM, {}),
@@ -143,7 +171,7 @@ def base_with_layers(base, layers: list[int], final_norm=None):
     state = {}
     for key, value in base.state_dict().items():
         if key.startswith(prefix):
-            j, rest = key[len(prefix):].split(".", 1)
+            j, rest = key[len(prefix) :].split(".", 1)
             if int(j) in layers:
                 state[f"{prefix}{layers.index(int(j))}.{rest}"] = value
         else:

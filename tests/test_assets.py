@@ -121,8 +121,11 @@ def _write_rdb(folder, novels, with_index=True):
 
 
 def test_read_austen_rdb_uses_index_names(tmp_path):
-    novels = {"emma": [f"emma {i}" for i in range(1200)], "short": ["x"] * 10,
-              "persuasion": [f"p {i}" for i in range(1500)]}
+    novels = {
+        "emma": [f"emma {i}" for i in range(1200)],
+        "short": ["x"] * 10,
+        "persuasion": [f"p {i}" for i in range(1500)],
+    }
     rdb = _write_rdb(tmp_path, novels)
     assert assets.read_rdx((tmp_path / "Rdata.rdx").read_bytes())["short"][1] > 0
     assert assets.read_austen_rdb(rdb) == {"emma": novels["emma"], "persuasion": novels["persuasion"]}
@@ -144,9 +147,11 @@ def test_austen_constants():
 
 
 def test_clean_info_text():
-    info = ("This is x.info\n\n\x1f\nFile: x.info,  Node: Top,  Next: A,  Up: (dir)\n\nHello\n*****\n"
-            "\x1f\nFile: x.info,  Node: A,  Prev: Top\n\nSome text.\n\x1f\nTag Table:\nNode: Top\x7f1\n"
-            "\x1f\nEnd Tag Table\n\n\x1f\nLocal Variables:\ncoding: utf-8\nEnd:\n")
+    info = (
+        "This is x.info\n\n\x1f\nFile: x.info,  Node: Top,  Next: A,  Up: (dir)\n\nHello\n*****\n"
+        "\x1f\nFile: x.info,  Node: A,  Prev: Top\n\nSome text.\n\x1f\nTag Table:\nNode: Top\x7f1\n"
+        "\x1f\nEnd Tag Table\n\n\x1f\nLocal Variables:\ncoding: utf-8\nEnd:\n"
+    )
     text = assets.clean_info_text(info)
     assert "Hello" in text and "Some text." in text
     assert "\x1f" not in text and "Node:" not in text and "Tag Table" not in text and "coding" not in text
@@ -256,7 +261,9 @@ def test_failed_command_names_step_and_remedy():
 
 def test_missing_command_is_a_clear_error():
     with pytest.raises(RuntimeError, match="apt-get download x failed.*needs a Debian"):
-        assets.cache.run_command(["no-such-command-ee-transformers"], "apt-get download x", "this step needs a Debian system")
+        assets.cache.run_command(
+            ["no-such-command-ee-transformers"], "apt-get download x", "this step needs a Debian system"
+        )
 
 
 def test_main_reports_fetch_errors(monkeypatch, capsys):
@@ -285,7 +292,7 @@ def test_real_assets():
     assert tokenizer.chat_template
     inputs = tokenizer("The capital of France is", return_tensors="pt")
     out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
-    assert "Paris" in tokenizer.decode(out[0][inputs["input_ids"].shape[1]:])
+    assert "Paris" in tokenizer.decode(out[0][inputs["input_ids"].shape[1] :])
 
     sizes = {p.stem: p.stat().st_size for p in found["austen"]}
     assert set(sizes) == set(assets.AUSTEN_NOVELS) and all(300_000 < s < 1_200_000 for s in sizes.values())

@@ -29,9 +29,13 @@ def templates(tmp_path_factory):
     from ee_transformers.training.tiny import tiny_tokenizer
 
     train = load_blocks(sorted(str(p) for p in (root / "text").iterdir()), tiny_tokenizer(), 16).train
-    fit_exit_heads(eet.from_base(root / "base", exit_layers=[1, 2]), train, None,
-                   FitConfig(steps=1, batch_size=2, checkpoint_every=1, progress=False),
-                   checkpoint_dir=root / "checkpoints")
+    fit_exit_heads(
+        eet.from_base(root / "base", exit_layers=[1, 2]),
+        train,
+        None,
+        FitConfig(steps=1, batch_size=2, checkpoint_every=1, progress=False),
+        checkpoint_dir=root / "checkpoints",
+    )
     return root
 
 
@@ -53,6 +57,7 @@ def folder_with_config(text):
         shutil.copytree(w / "base", w / "bad")
         (w / "bad" / "config.json").write_text(text)
         return str(w / "bad")
+
     return make
 
 
@@ -73,8 +78,9 @@ def damaged_checkpoint(name, keep):
     def make(w):
         (step,) = (w / "checkpoints").iterdir()
         data = (step / name).read_bytes()
-        (step / name).write_bytes(data[:keep(len(data))])
+        (step / name).write_bytes(data[: keep(len(data))])
         return str(step)
+
     return make
 
 
@@ -83,114 +89,259 @@ def texts(w):
 
 
 def fit_argv(w, model=None, out=None, data=None):
-    return ["fit", "--model", model or str(w / "base"), "--exit-layers", "1,2", "--data", *(data or texts(w)),
-            "--block-size", "16", "--steps", "1", "--batch-size", "2", "--no-progress", "--out", out or str(w / "new")]
+    return [
+        "fit",
+        "--model",
+        model or str(w / "base"),
+        "--exit-layers",
+        "1,2",
+        "--data",
+        *(data or texts(w)),
+        "--block-size",
+        "16",
+        "--steps",
+        "1",
+        "--batch-size",
+        "2",
+        "--no-progress",
+        "--out",
+        out or str(w / "new"),
+    ]
 
 
 def calibrate_argv(w, model=None):
-    return ["calibrate", model or str(w / "ee"), "--data", *texts(w), "--block-size", "16", "--verify-prompts", "0",
-            "--costs", '{"head_cost": 0, "backfill_cost": 0}']
+    return [
+        "calibrate",
+        model or str(w / "ee"),
+        "--data",
+        *texts(w),
+        "--block-size",
+        "16",
+        "--verify-prompts",
+        "0",
+        "--costs",
+        '{"head_cost": 0, "backfill_cost": 0}',
+    ]
 
 
 def bench_argv(w, model=None, batch_sizes="1", out=None):
-    return ["bench", "--model", model or str(w / "ee"), "--quick", "--batch-sizes", batch_sizes, "--no-sweep",
-            "--no-forced", "--no-profile", "--out", out or str(w / "bench-out")]
+    return [
+        "bench",
+        "--model",
+        model or str(w / "ee"),
+        "--quick",
+        "--batch-sizes",
+        batch_sizes,
+        "--no-sweep",
+        "--no-forced",
+        "--no-profile",
+        "--out",
+        out or str(w / "bench-out"),
+    ]
 
 
 OFFLINE = "offline"  # a marker: the default prompts cannot be fetched
 
 CASES = {
     # ---- convert
-    "convert: base does not exist": (lambda w: ["convert", str(w / "nowhere"), str(w / "new"), "--exit-layers", "1"],
-                                     2, "`base` '{w}/nowhere' does not exist"),
+    "convert: base does not exist": (
+        lambda w: ["convert", str(w / "nowhere"), str(w / "new"), "--exit-layers", "1"],
+        2,
+        "`base` '{w}/nowhere' does not exist",
+    ),
     "convert: config.json is not a JSON object": (
-        lambda w: ["convert", folder_with_config("[1, 2]")(w), str(w / "new"), "--exit-layers", "1"], 2,
-        "config.json must hold a JSON object, not a JSON list"),
+        lambda w: ["convert", folder_with_config("[1, 2]")(w), str(w / "new"), "--exit-layers", "1"],
+        2,
+        "config.json must hold a JSON object, not a JSON list",
+    ),
     "convert: config.json is malformed": (
-        lambda w: ["convert", folder_with_config('{"model_type": ')(w), str(w / "new"), "--exit-layers", "1"], 2,
-        "{w}/bad/config.json is not valid JSON"),
-    "convert: missing weights": (lambda w: ["convert", no_weights(w), str(w / "new"), "--exit-layers", "1"], 2,
-                                 "`base` '{w}/bad' holds no weights"),
-    "convert: corrupt weights": (lambda w: ["convert", corrupt_weights(w), str(w / "new"), "--exit-layers", "1"], 2,
-                                 "the weights model.safetensors cannot be read"),
-    "convert: output is a file": (lambda w: ["convert", str(w / "base"), str(w / "a-file"), "--exit-layers", "1"], 2,
-                                  "`out` '{w}/a-file' is a file, not a folder"),
+        lambda w: ["convert", folder_with_config('{"model_type": ')(w), str(w / "new"), "--exit-layers", "1"],
+        2,
+        "{w}/bad/config.json is not valid JSON",
+    ),
+    "convert: missing weights": (
+        lambda w: ["convert", no_weights(w), str(w / "new"), "--exit-layers", "1"],
+        2,
+        "`base` '{w}/bad' holds no weights",
+    ),
+    "convert: corrupt weights": (
+        lambda w: ["convert", corrupt_weights(w), str(w / "new"), "--exit-layers", "1"],
+        2,
+        "the weights model.safetensors cannot be read",
+    ),
+    "convert: output is a file": (
+        lambda w: ["convert", str(w / "base"), str(w / "a-file"), "--exit-layers", "1"],
+        2,
+        "`out` '{w}/a-file' is a file, not a folder",
+    ),
     "convert: output holds a user's files": (
-        lambda w: ["convert", str(w / "base"), str(w / "full"), "--exit-layers", "1"], 2,
-        "`out` '{w}/full' already exists and is not empty: pass `--overwrite`"),
+        lambda w: ["convert", str(w / "base"), str(w / "full"), "--exit-layers", "1"],
+        2,
+        "`out` '{w}/full' already exists and is not empty: pass `--overwrite`",
+    ),
     "convert: --overwrite a folder no command wrote": (
-        lambda w: ["convert", str(w / "base"), str(w / "full"), "--exit-layers", "1", "--overwrite"], 2,
-        "was not written by an ee-transformers command"),
-    "convert: --exit-layers ,": (lambda w: ["convert", str(w / "base"), str(w / "new"), "--exit-layers", ","], 2,
-                                 "`--exit-layers` names no layer"),
-    "convert: --exit-layers 1,x": (lambda w: ["convert", str(w / "base"), str(w / "new"), "--exit-layers", "1,x"], 2,
-                                   "argument --exit-layers: must be comma-separated int values"),
+        lambda w: ["convert", str(w / "base"), str(w / "full"), "--exit-layers", "1", "--overwrite"],
+        2,
+        "was not written by an ee-transformers command",
+    ),
+    "convert: --exit-layers ,": (
+        lambda w: ["convert", str(w / "base"), str(w / "new"), "--exit-layers", ","],
+        2,
+        "`--exit-layers` names no layer",
+    ),
+    "convert: --exit-layers 1,x": (
+        lambda w: ["convert", str(w / "base"), str(w / "new"), "--exit-layers", "1,x"],
+        2,
+        "argument --exit-layers: must be comma-separated int values",
+    ),
     "convert: --exit-layers out of range": (
-        lambda w: ["convert", str(w / "base"), str(w / "new"), "--exit-layers", "1,9"], 2, "out of range"),
+        lambda w: ["convert", str(w / "base"), str(w / "new"), "--exit-layers", "1,9"],
+        2,
+        "out of range",
+    ),
     # ---- fit
-    "fit: config.json is not a JSON object": (lambda w: fit_argv(w, model=folder_with_config('"llama"')(w)), 2,
-                                              "config.json must hold a JSON object, not a JSON str"),
-    "fit: --checkpoint-dir is a file": (lambda w: fit_argv(w) + ["--checkpoint-dir", str(w / "a-file")], 2,
-                                        "`--checkpoint-dir` '{w}/a-file' is a file"),
+    "fit: config.json is not a JSON object": (
+        lambda w: fit_argv(w, model=folder_with_config('"llama"')(w)),
+        2,
+        "config.json must hold a JSON object, not a JSON str",
+    ),
+    "fit: --checkpoint-dir is a file": (
+        lambda w: fit_argv(w) + ["--checkpoint-dir", str(w / "a-file")],
+        2,
+        "`--checkpoint-dir` '{w}/a-file' is a file",
+    ),
     "fit: truncated checkpoint state": (
-        lambda w: fit_argv(w) + ["--resume", damaged_checkpoint("state.json", lambda n: n // 2)(w)], 2,
-        "state.json: not a readable checkpoint state"),
+        lambda w: fit_argv(w) + ["--resume", damaged_checkpoint("state.json", lambda n: n // 2)(w)],
+        2,
+        "state.json: not a readable checkpoint state",
+    ),
     "fit: truncated checkpoint tensors": (
-        lambda w: fit_argv(w) + ["--resume", damaged_checkpoint("trainable.safetensors", lambda n: n - 10)(w)], 2,
-        "trainable.safetensors: the checkpoint is damaged"),
-    "fit: --batch-size 0": (lambda w: fit_argv(w) + ["--batch-size", "0"], 2,
-                            "`--batch-size` must be an integer >= 1, got 0"),
+        lambda w: fit_argv(w) + ["--resume", damaged_checkpoint("trainable.safetensors", lambda n: n - 10)(w)],
+        2,
+        "trainable.safetensors: the checkpoint is damaged",
+    ),
+    "fit: --batch-size 0": (
+        lambda w: fit_argv(w) + ["--batch-size", "0"],
+        2,
+        "`--batch-size` must be an integer >= 1, got 0",
+    ),
     "fit: --out is a file": (lambda w: fit_argv(w, out=str(w / "a-file")), 2, "`--out` '{w}/a-file' is a file"),
-    "fit: --data matches nothing": (lambda w: fit_argv(w, data=[str(w / "no-such*.txt")]), 2,
-                                    "`--data` pattern '{w}/no-such*.txt' matches no file"),
+    "fit: --data matches nothing": (
+        lambda w: fit_argv(w, data=[str(w / "no-such*.txt")]),
+        2,
+        "`--data` pattern '{w}/no-such*.txt' matches no file",
+    ),
     # ---- calibrate
-    "calibrate: --out holds a user's files": (lambda w: calibrate_argv(w) + ["--out", str(w / "full")], 2,
-                                              "`--out` '{w}/full' already exists and is not empty"),
-    "calibrate: --out is a file": (lambda w: calibrate_argv(w) + ["--out", str(w / "a-file")], 2,
-                                   "`--out` '{w}/a-file' is a file, not a folder"),
-    "calibrate: --costs {}": (lambda w: calibrate_argv(w)[:-2] + ["--costs", "{}"], 2,
-                              "`--costs` must give `head_cost` as a number >= 0"),
-    "calibrate: --costs is not JSON": (lambda w: calibrate_argv(w)[:-2] + ["--costs", "cheap"], 2,
-                                       "`--costs` is not valid JSON"),
-    "calibrate: --batch-size 0": (lambda w: calibrate_argv(w) + ["--batch-size", "0"], 2,
-                                  "`--batch-size` must be an integer >= 1, got 0"),
-    "calibrate: --decode-batch-size 0": (lambda w: calibrate_argv(w) + ["--decode-batch-size", "0"], 2,
-                                         "`--decode-batch-size` must be an integer >= 1, got 0"),
-    "calibrate: --verify-new-tokens -1": (lambda w: calibrate_argv(w) + ["--verify-new-tokens", "-1"], 2,
-                                          "`--verify-new-tokens` must be an integer >= 1, got -1"),
-    "calibrate: --block-size beyond the positions": (lambda w: calibrate_argv(w) + ["--block-size", "4096"], 2,
-                                                     "`--block-size`=4096 is beyond the model's positions"),
-    "calibrate: config.json is not a JSON object": (lambda w: calibrate_argv(w, folder_with_config("null")(w)), 2,
-                                                    "config.json must hold a JSON object, not a JSON NoneType"),
+    "calibrate: --out holds a user's files": (
+        lambda w: calibrate_argv(w) + ["--out", str(w / "full")],
+        2,
+        "`--out` '{w}/full' already exists and is not empty",
+    ),
+    "calibrate: --out is a file": (
+        lambda w: calibrate_argv(w) + ["--out", str(w / "a-file")],
+        2,
+        "`--out` '{w}/a-file' is a file, not a folder",
+    ),
+    "calibrate: --costs {}": (
+        lambda w: calibrate_argv(w)[:-2] + ["--costs", "{}"],
+        2,
+        "`--costs` must give `head_cost` as a number >= 0",
+    ),
+    "calibrate: --costs is not JSON": (
+        lambda w: calibrate_argv(w)[:-2] + ["--costs", "cheap"],
+        2,
+        "`--costs` is not valid JSON",
+    ),
+    "calibrate: --batch-size 0": (
+        lambda w: calibrate_argv(w) + ["--batch-size", "0"],
+        2,
+        "`--batch-size` must be an integer >= 1, got 0",
+    ),
+    "calibrate: --decode-batch-size 0": (
+        lambda w: calibrate_argv(w) + ["--decode-batch-size", "0"],
+        2,
+        "`--decode-batch-size` must be an integer >= 1, got 0",
+    ),
+    "calibrate: --verify-new-tokens -1": (
+        lambda w: calibrate_argv(w) + ["--verify-new-tokens", "-1"],
+        2,
+        "`--verify-new-tokens` must be an integer >= 1, got -1",
+    ),
+    "calibrate: --block-size beyond the positions": (
+        lambda w: calibrate_argv(w) + ["--block-size", "4096"],
+        2,
+        "`--block-size`=4096 is beyond the model's positions",
+    ),
+    "calibrate: config.json is not a JSON object": (
+        lambda w: calibrate_argv(w, folder_with_config("null")(w)),
+        2,
+        "config.json must hold a JSON object, not a JSON NoneType",
+    ),
     "calibrate: a folder without exits": (lambda w: calibrate_argv(w, str(w / "base")), 2, "has no exit heads"),
     # ---- bench
-    "bench: default prompts offline": (lambda w: bench_argv(w, str(w / "base")) + ["--exit-layers", "1,2"], 2,
-                                       "`--prompts-from` not given, and the default held-out text cannot be fetched"),
-    "bench: --prompts-from missing": (lambda w: bench_argv(w) + ["--prompts-from", str(w / "nope.txt")], 2,
-                                      "`--prompts-from` pattern '{w}/nope.txt' matches no file"),
-    "bench: --prompts-from empty": (lambda w: bench_argv(w) + ["--prompts-from", str(w / "empty.txt")], 2,
-                                    "every file is empty"),
-    "bench: --prompts-from binary": (lambda w: bench_argv(w) + ["--prompts-from", str(w / "binary.txt")], 2,
-                                     "binary.txt: not UTF-8 text"),
-    "bench: --new-tokens -1": (lambda w: bench_argv(w) + ["--new-tokens", "-1"], 2,
-                               "`--new-tokens` must be an integer >= 1, got -1"),
-    "bench: --batch-sizes 0": (lambda w: bench_argv(w, batch_sizes="0"), 2,
-                               "`--batch-sizes` must be a non-empty list, each element an integer >= 1"),
-    "bench: --out is a file": (lambda w: bench_argv(w, out=str(w / "a-file")), 2,
-                               "`--out` '{w}/a-file' is a file, not a folder"),
-    "bench: --out holds a user's files": (lambda w: bench_argv(w, out=str(w / "full")), 2,
-                                          "`--out` '{w}/full' already exists and is not empty"),
-    "bench: config.json is not a JSON object": (lambda w: bench_argv(w, folder_with_config("3")(w)), 2,
-                                                "config.json must hold a JSON object, not a JSON int"),
+    "bench: default prompts offline": (
+        lambda w: bench_argv(w, str(w / "base")) + ["--exit-layers", "1,2"],
+        2,
+        "`--prompts-from` not given, and the default held-out text cannot be fetched",
+    ),
+    "bench: --prompts-from missing": (
+        lambda w: bench_argv(w) + ["--prompts-from", str(w / "nope.txt")],
+        2,
+        "`--prompts-from` pattern '{w}/nope.txt' matches no file",
+    ),
+    "bench: --prompts-from empty": (
+        lambda w: bench_argv(w) + ["--prompts-from", str(w / "empty.txt")],
+        2,
+        "every file is empty",
+    ),
+    "bench: --prompts-from binary": (
+        lambda w: bench_argv(w) + ["--prompts-from", str(w / "binary.txt")],
+        2,
+        "binary.txt: not UTF-8 text",
+    ),
+    "bench: --new-tokens -1": (
+        lambda w: bench_argv(w) + ["--new-tokens", "-1"],
+        2,
+        "`--new-tokens` must be an integer >= 1, got -1",
+    ),
+    "bench: --batch-sizes 0": (
+        lambda w: bench_argv(w, batch_sizes="0"),
+        2,
+        "`--batch-sizes` must be a non-empty list, each element an integer >= 1",
+    ),
+    "bench: --out is a file": (
+        lambda w: bench_argv(w, out=str(w / "a-file")),
+        2,
+        "`--out` '{w}/a-file' is a file, not a folder",
+    ),
+    "bench: --out holds a user's files": (
+        lambda w: bench_argv(w, out=str(w / "full")),
+        2,
+        "`--out` '{w}/full' already exists and is not empty",
+    ),
+    "bench: config.json is not a JSON object": (
+        lambda w: bench_argv(w, folder_with_config("3")(w)),
+        2,
+        "config.json must hold a JSON object, not a JSON int",
+    ),
     # ---- fetch-assets
-    "fetch-assets: --cache-dir is a file": (lambda w: ["fetch-assets", "--cache-dir", str(w / "a-file")], 2,
-                                            "`--cache-dir` '{w}/a-file' is a file, not a folder"),
-    "fetch-assets: corrupt R data": (lambda w: ["fetch-assets", "--text-only", "--cache-dir", str(w / "cache")], 1,
-                                     "cannot be read: R serialization has a vector of length -5"),
+    "fetch-assets: --cache-dir is a file": (
+        lambda w: ["fetch-assets", "--cache-dir", str(w / "a-file")],
+        2,
+        "`--cache-dir` '{w}/a-file' is a file, not a folder",
+    ),
+    "fetch-assets: corrupt R data": (
+        lambda w: ["fetch-assets", "--text-only", "--cache-dir", str(w / "cache")],
+        1,
+        "cannot be read: R serialization has a vector of length -5",
+    ),
     # ---- demo
     "demo: --out is a file": (lambda w: ["demo", "--out", str(w / "a-file")], 2, "`--out` '{w}/a-file' is a file"),
-    "demo: --out holds a user's files": (lambda w: ["demo", "--out", str(w / "full")], 2,
-                                         "`--out` '{w}/full' already exists and is not empty"),
+    "demo: --out holds a user's files": (
+        lambda w: ["demo", "--out", str(w / "full")],
+        2,
+        "`--out` '{w}/full' already exists and is not empty",
+    ),
 }
 
 

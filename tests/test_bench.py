@@ -37,8 +37,21 @@ def text_files(tmp_path_factory):
 @pytest.fixture(scope="module")
 def quick_report(ee_folder, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench-out")
-    code = bench.main(["--model", str(ee_folder), "--quick", "--batch-sizes", "1,2", "--new-tokens", "12",
-                       "--out", str(out), "--threads", "1"])
+    code = bench.main(
+        [
+            "--model",
+            str(ee_folder),
+            "--quick",
+            "--batch-sizes",
+            "1,2",
+            "--new-tokens",
+            "12",
+            "--out",
+            str(out),
+            "--threads",
+            "1",
+        ]
+    )
     assert code == 0
     return json.loads((out / "report.json").read_text()), out
 
@@ -89,9 +102,24 @@ def test_speedup_summary_is_consistent(quick_report):
 
 
 def test_cost_model_ideal_is_one_at_full_depth_and_grows_with_earlier_exits():
-    costs = {"num_layers": 4, "ms": {name: {"1": 1.0} for name in ("layer", "final_head", "head", "head_check",
-                                                                    "backfill", "deferred_extra", "decision",
-                                                                    "cosine_check", "learned_check", "prefill")}}
+    costs = {
+        "num_layers": 4,
+        "ms": {
+            name: {"1": 1.0}
+            for name in (
+                "layer",
+                "final_head",
+                "head",
+                "head_check",
+                "backfill",
+                "deferred_extra",
+                "decision",
+                "cosine_check",
+                "learned_check",
+                "prefill",
+            )
+        },
+    }
     costs["ms"]["backfill"] = {"1": 0.1}
     costs["ms"]["decision"] = {"1": 0.0}
     full = torch.full((1, 5), 3)
@@ -131,8 +159,16 @@ def test_instrumentation_leaves_the_models_as_they_were(ee_folder):
     ee, plain = bench.load_models(ee_folder)
     assert plain.model is ee.model and plain.lm_head is ee.lm_head, "the plain twin must run on the same modules"
     batch = bench.make_batches(bench.random_prompts(99, 2, window=6), 2, 1)[0]
-    prof = bench.profile_step(ee, batch, 4, {"exit_criterion": bench.ForcedExits(bench.forced_profile("mixed", ee)),
-                                             "exit_check_layers": [1, 2], "exit_policy": "row"})
+    prof = bench.profile_step(
+        ee,
+        batch,
+        4,
+        {
+            "exit_criterion": bench.ForcedExits(bench.forced_profile("mixed", ee)),
+            "exit_check_layers": [1, 2],
+            "exit_policy": "row",
+        },
+    )
     assert prof["parts_ms"]["layers"] > 0
     for model in (ee, plain):
         assert not {"forward", "_check", "_decide", "_backfill_kv"} & set(vars(model)), "a wrapper was left on"

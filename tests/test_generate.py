@@ -8,11 +8,11 @@ never run; a batch row == its prompt alone.
 
 import pytest
 import torch
+from conftest import cached, cut_at_exit, own_kv, padded_batch
 from transformers.generation.streamers import BaseStreamer
 
 import ee_transformers as eet
 from ee_transformers.tools.bench import ForcedExits
-from conftest import cached, cut_at_exit, own_kv, padded_batch
 
 LAYERS = 4  # tiny models: 4 decoder layers, exits after 0, 1, 2, final = 3
 
@@ -36,14 +36,16 @@ class LayerCounter:
         layers = model.family.layers(model)
         self.calls = [0] * len(layers)
         self.rows = [0] * len(layers)
-        self.handles = [layer.register_forward_pre_hook(self._hook(j), with_kwargs=True)
-                        for j, layer in enumerate(layers)]
+        self.handles = [
+            layer.register_forward_pre_hook(self._hook(j), with_kwargs=True) for j, layer in enumerate(layers)
+        ]
 
     def _hook(self, j):
         def hook(module, args, kwargs):
             hidden = args[0] if args else kwargs["hidden_states"]
             self.calls[j] += 1
             self.rows[j] += hidden.shape[0]
+
         return hook
 
     def remove(self):
@@ -67,6 +69,7 @@ def peaked(token, height):
         logits = torch.zeros(n, vocab, dtype=hidden.dtype)
         logits[:, token] = height
         return logits
+
     return fn
 
 
@@ -96,6 +99,7 @@ def forced_schedule(targets):
 
 # --- the invariants, over the family matrix --------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("cache_implementation", [None, "static"])
 def test_exits_disabled_generate_equals_base(base_dirs, family, cache_implementation):
     folder, base = base_dirs[family]
@@ -119,12 +123,22 @@ def test_forced_exit_equals_base_cut_at_exit_plus_head(base_dirs, family, policy
     model = ee_model(base_dirs, family)
     layer = model.config.exit_layers[exit_index]
     ids, mask = padded_batch()
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, exit_criterion="max_prob",
-                         exit_threshold=0.0, exit_policy=policy, exit_kv=kv,
-                         exit_check_layers=model.config.exit_layers[exit_index:], return_dict_in_generate=True)
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=6,
+        do_sample=False,
+        exit_criterion="max_prob",
+        exit_threshold=0.0,
+        exit_policy=policy,
+        exit_kv=kv,
+        exit_check_layers=model.config.exit_layers[exit_index:],
+        return_dict_in_generate=True,
+    )
     assert_decided_at(out.exit_layers, layer)
-    expected = cut_at_exit(base, model, exit_index).generate(ids, attention_mask=mask, max_new_tokens=6,
-                                                             do_sample=False)
+    expected = cut_at_exit(base, model, exit_index).generate(
+        ids, attention_mask=mask, max_new_tokens=6, do_sample=False
+    )
     assert torch.equal(out.sequences, expected)
 
 
@@ -135,8 +149,15 @@ def test_forced_exit_with_static_cache_and_sampling_equals_base_cut(base_dirs, f
     sampling = dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.9, repetition_penalty=1.3)
     cut = cut_at_exit(base, model, 0)  # built before seeding: building it draws random numbers
     torch.manual_seed(11)
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=6, exit_criterion="margin", exit_threshold=0.0,
-                         cache_implementation="static", **sampling)
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=6,
+        exit_criterion="margin",
+        exit_threshold=0.0,
+        cache_implementation="static",
+        **sampling,
+    )
     torch.manual_seed(11)
     expected = cut.generate(ids, attention_mask=mask, max_new_tokens=6, cache_implementation="static", **sampling)
     assert torch.equal(out, expected)
@@ -154,8 +175,17 @@ def test_backfilled_kv_equals_skipped_layers_own_projections(base_dirs, family):
     folder, base = base_dirs[family]
     model = ee_model(base_dirs, family)
     ids, mask = padded_batch()
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, exit_criterion="max_prob",
-                         exit_threshold=0.0, exit_check_layers=[1], min_new_tokens=5, return_dict_in_generate=True)
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=5,
+        do_sample=False,
+        exit_criterion="max_prob",
+        exit_threshold=0.0,
+        exit_check_layers=[1],
+        min_new_tokens=5,
+        return_dict_in_generate=True,
+    )
     assert (out.exit_layers == 1).all()
     cached_ids = out.sequences[:, :-1]  # the last token was never fed back
     length = cached_ids.shape[1]
@@ -167,8 +197,9 @@ def test_backfilled_kv_equals_skipped_layers_own_projections(base_dirs, family):
         for kind in ("keys", "values"):
             got, want = cached(out.cache.layers[j], kind), cached(reference, kind)
             tail = min(new, got.shape[2])  # a sliding layer keeps only its window
-            torch.testing.assert_close(got[:, :, -tail:], want[:, :, -tail:], rtol=1e-5, atol=1e-5,
-                                       msg=lambda m: f"layer {j} {kind}: {m}")
+            torch.testing.assert_close(
+                got[:, :, -tail:], want[:, :, -tail:], rtol=1e-5, atol=1e-5, msg=lambda m: f"layer {j} {kind}: {m}"
+            )
     for j in range(LAYERS):  # every layer holds every position
         assert out.cache.layers[j].get_seq_length() == length
 
@@ -179,9 +210,17 @@ def test_deferred_kv_equals_full_depth_kv_after_a_deep_token(base_dirs, family, 
     model = ee_model(base_dirs, family)
     ids, mask = padded_batch()
     # prefill full, two tokens exit after layer 0 / 1, then one full-depth token
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False,
-                         exit_kv="deferred", exit_criterion=ForcedExits(forced_schedule([3, 0, 1, 3])),
-                         cache_implementation=cache_implementation, return_dict_in_generate=True)
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=4,
+        min_new_tokens=4,
+        do_sample=False,
+        exit_kv="deferred",
+        exit_criterion=ForcedExits(forced_schedule([3, 0, 1, 3])),
+        cache_implementation=cache_implementation,
+        return_dict_in_generate=True,
+    )
     assert out.exit_layers.tolist() == [[3, 0, 1, 3]] * ids.shape[0]
     assert out.cache.num_pending == 0
     cached_ids = out.sequences[:, :-1]
@@ -194,13 +233,26 @@ def test_deferred_kv_equals_full_depth_kv_after_a_deep_token(base_dirs, family, 
             got, want = cached(out.cache.layers[j], kind), cached(reference.layers[j], kind)
             tail = min(got.shape[2], want.shape[2])  # sliding layers: their window; full layers: every position
             valid = full_mask[:, -tail:].bool()[:, None, :, None]
-            torch.testing.assert_close(got[:, :, -tail:] * valid, want[:, :, -tail:] * valid, rtol=1e-5, atol=1e-5,
-                                       msg=lambda m: f"layer {j} {kind}: {m}")
+            torch.testing.assert_close(
+                got[:, :, -tail:] * valid,
+                want[:, :, -tail:] * valid,
+                rtol=1e-5,
+                atol=1e-5,
+                msg=lambda m: f"layer {j} {kind}: {m}",
+            )
 
     # while tokens are pending, the deep layers do not hold them yet
-    partial = model.generate(ids, attention_mask=mask, max_new_tokens=3, min_new_tokens=3, do_sample=False,
-                             exit_kv="deferred", exit_criterion=ForcedExits(forced_schedule([3, 0, 1])),
-                             cache_implementation=cache_implementation, return_dict_in_generate=True)
+    partial = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=3,
+        min_new_tokens=3,
+        do_sample=False,
+        exit_kv="deferred",
+        exit_criterion=ForcedExits(forced_schedule([3, 0, 1])),
+        cache_implementation=cache_implementation,
+        return_dict_in_generate=True,
+    )
     assert partial.cache.num_pending == 2
     assert partial.cache.layers[0].get_seq_length() == partial.cache.layers[3].get_seq_length() + 2
 
@@ -227,8 +279,16 @@ def test_batch_policy_unconfident_row_keeps_batch_going_finished_row_does_not(ba
 
     scripted_heads(model, [confident_row0] * 3)
     counter = LayerCounter(model)
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, exit_criterion="max_prob",
-                         exit_threshold=0.9, exit_policy="batch", return_dict_in_generate=True)
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=4,
+        do_sample=False,
+        exit_criterion="max_prob",
+        exit_threshold=0.9,
+        exit_policy="batch",
+        return_dict_in_generate=True,
+    )
     counter.remove()
     assert (out.exit_layers == 3).all()  # row 1 is never confident: the whole batch runs every layer
     assert counter.calls == [4] * LAYERS
@@ -236,9 +296,18 @@ def test_batch_policy_unconfident_row_keeps_batch_going_finished_row_does_not(ba
     # now row 1 finishes at its first token (its first token is made the EOS): it must not hold the batch back
     eos = int(out.sequences[1, ids.shape[1]])
     counter = LayerCounter(model)
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, exit_criterion="max_prob",
-                         exit_threshold=0.9, exit_policy="batch", eos_token_id=eos, pad_token_id=0,
-                         return_dict_in_generate=True)
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=4,
+        do_sample=False,
+        exit_criterion="max_prob",
+        exit_threshold=0.9,
+        exit_policy="batch",
+        eos_token_id=eos,
+        pad_token_id=0,
+        return_dict_in_generate=True,
+    )
     counter.remove()
     assert out.exit_layers[1].tolist() == [3, -1, -1, -1]
     assert out.exit_layers[0, 1:].tolist() == [0, 0, 0]
@@ -250,8 +319,16 @@ def test_row_policy_runs_deep_layers_only_for_unconfident_rows(base_dirs, family
     ids, mask = padded_batch(batch=3)
     # exit 0 is confident for every row, exits 1-2 never: with exit_check_layers [0] rows stop at layer 0 ...
     counter = LayerCounter(model)
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, exit_criterion="max_prob",
-                         exit_threshold=0.0, exit_policy="row", return_dict_in_generate=True)
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=4,
+        do_sample=False,
+        exit_criterion="max_prob",
+        exit_threshold=0.0,
+        exit_policy="row",
+        return_dict_in_generate=True,
+    )
     counter.remove()
     assert (out.exit_layers == 0).all()
     assert counter.rows == [3 * 4, 3, 3, 3]  # decode steps run layer 0 only
@@ -259,8 +336,15 @@ def test_row_policy_runs_deep_layers_only_for_unconfident_rows(base_dirs, family
     # per-row decision path as the criteria)
     targets = torch.tensor([0, 3, 0])
     counter = LayerCounter(model)
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, exit_policy="row",
-                         exit_criterion=ForcedExits(lambda b, d: targets.to(d)), return_dict_in_generate=True)
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=4,
+        do_sample=False,
+        exit_policy="row",
+        exit_criterion=ForcedExits(lambda b, d: targets.to(d)),
+        return_dict_in_generate=True,
+    )
     counter.remove()
     assert out.exit_layers.tolist() == [[0] * 4, [3] * 4, [0] * 4]
     assert counter.rows == [3 * 4, 3 + 3, 3 + 3, 3 + 3]  # layers 1-3: prefill 3 rows, then 1 row per step
@@ -273,11 +357,21 @@ def test_row_policy_batch_row_equals_prompt_alone(base_dirs, family):
     ids, mask = padded_batch(batch=3)
     # a threshold at the median of the heads' confidence gives a mix of exits
     with torch.no_grad():
-        probs = torch.cat([t[:, -1].softmax(-1).max(-1).values
-                           for t in model(ids, attention_mask=mask, output_exit_logits=True).exit_logits])
+        probs = torch.cat(
+            [
+                t[:, -1].softmax(-1).max(-1).values
+                for t in model(ids, attention_mask=mask, output_exit_logits=True).exit_logits
+            ]
+        )
     threshold = float(probs.median())
-    kwargs = dict(max_new_tokens=6, do_sample=False, exit_criterion="max_prob", exit_threshold=threshold,
-                  exit_policy="row", return_dict_in_generate=True)
+    kwargs = dict(
+        max_new_tokens=6,
+        do_sample=False,
+        exit_criterion="max_prob",
+        exit_threshold=threshold,
+        exit_policy="row",
+        return_dict_in_generate=True,
+    )
     batch = model.generate(ids, attention_mask=mask, **kwargs)
     layers = batch.exit_layers.unique().tolist()
     assert len(layers) > 1, f"expected a mix of exits, got {layers}"
@@ -290,18 +384,35 @@ def test_row_policy_batch_row_equals_prompt_alone(base_dirs, family):
 
 # --- decoding features (one family) ----------------------------------------------------------------------------------
 
+
 def test_stable_token_exit_with_patience(base_dirs):
     model = ee_model(base_dirs)
     # argmaxes 5, 5, 9 at exits 0, 1, 2, all far below the threshold: patience 2 exits at the second exit
     scripted_heads(model, [peaked(5, 1.0), peaked(5, 1.0), peaked(9, 1.0)])
     ids, mask = padded_batch(batch=2)
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, exit_criterion="max_prob",
-                         exit_threshold=0.99, exit_patience=2, return_dict_in_generate=True)
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=3,
+        do_sample=False,
+        exit_criterion="max_prob",
+        exit_threshold=0.99,
+        exit_patience=2,
+        return_dict_in_generate=True,
+    )
     assert (out.exit_layers == 1).all()
-    assert (out.sequences[:, ids.shape[1]:] == 5).all()
+    assert (out.sequences[:, ids.shape[1] :] == 5).all()
     # patience 3 needs three equal argmaxes: 5, 5, 9 never gets there
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, exit_criterion="max_prob",
-                         exit_threshold=0.99, exit_patience=3, return_dict_in_generate=True)
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=3,
+        do_sample=False,
+        exit_criterion="max_prob",
+        exit_threshold=0.99,
+        exit_patience=3,
+        return_dict_in_generate=True,
+    )
     assert (out.exit_layers == 3).all()
 
 
@@ -312,9 +423,17 @@ def test_exit_layers_minus_one_exactly_after_eos(base_dirs, exits_on):
     exit_kwargs = dict(exit_criterion="max_prob", exit_threshold=0.0, exit_check_layers=[1]) if exits_on else {}
     first = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, **exit_kwargs)
     eos = int(first[0, ids.shape[1] + 1])  # row 0's second token becomes the EOS
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, eos_token_id=eos,
-                         pad_token_id=0, return_dict_in_generate=True, **exit_kwargs)
-    new = out.sequences[:, ids.shape[1]:]
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=6,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=0,
+        return_dict_in_generate=True,
+        **exit_kwargs,
+    )
+    new = out.sequences[:, ids.shape[1] :]
     decided = 1 if exits_on else LAYERS - 1
     for row in range(ids.shape[0]):
         hits = (new[row] == eos).nonzero()
@@ -339,8 +458,9 @@ def test_streamer_receives_exactly_the_generated_tokens(base_dirs):
     model = ee_model(base_dirs)
     ids = torch.tensor([[3, 4, 5, 6]])
     streamer = Collect()
-    out = model.generate(ids, max_new_tokens=5, do_sample=False, exit_criterion="entropy", exit_threshold=0.0,
-                         streamer=streamer)
+    out = model.generate(
+        ids, max_new_tokens=5, do_sample=False, exit_criterion="entropy", exit_threshold=0.0, streamer=streamer
+    )
     assert streamer.ended
     assert torch.equal(streamer.chunks[0].flatten(), ids[0])  # generate streams the prompt first
     assert torch.cat([c.flatten() for c in streamer.chunks[1:]]).tolist() == out[0, 4:].tolist()
@@ -349,9 +469,8 @@ def test_streamer_receives_exactly_the_generated_tokens(base_dirs):
 def test_text_iterator_streamer_and_num_return_sequences(base_dirs):
     from threading import Thread
 
-    from transformers import TextIteratorStreamer
-
     from test_model import _tiny_tokenizer
+    from transformers import TextIteratorStreamer
 
     model = ee_model(base_dirs)
     tokenizer = _tiny_tokenizer()
@@ -363,8 +482,15 @@ def test_text_iterator_streamer_and_num_return_sequences(base_dirs):
     text = "".join(streamer)
     thread.join()
     assert text.split() == tokenizer.decode(kwargs["result"][0, 4:]).split()
-    out = model.generate(ids, max_new_tokens=3, do_sample=True, num_return_sequences=3, exit_criterion="cosine",
-                         exit_threshold=-1.0, return_dict_in_generate=True)
+    out = model.generate(
+        ids,
+        max_new_tokens=3,
+        do_sample=True,
+        num_return_sequences=3,
+        exit_criterion="cosine",
+        exit_threshold=-1.0,
+        return_dict_in_generate=True,
+    )
     assert out.sequences.shape == (3, 7) and out.exit_layers.shape == (3, 3)
 
 
@@ -376,16 +502,31 @@ def test_learned_criterion_uses_confidence_heads(base_dirs):
     model.add_confidence_heads()
     with torch.no_grad():
         model.confidence_heads[1].proj.bias.fill_(10.0)  # exit 1 (layer 1) is sure; exit 0 says 0.5
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, exit_criterion="learned",
-                         exit_threshold=0.9, return_dict_in_generate=True)
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=3,
+        do_sample=False,
+        exit_criterion="learned",
+        exit_threshold=0.9,
+        return_dict_in_generate=True,
+    )
     assert (out.exit_layers == 1).all()
 
 
 def test_exit_stats(base_dirs):
     model = ee_model(base_dirs)
     ids, mask = padded_batch(batch=2)
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, exit_criterion="max_prob",
-                         exit_threshold=0.0, exit_check_layers=[1], return_dict_in_generate=True)
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=4,
+        do_sample=False,
+        exit_criterion="max_prob",
+        exit_threshold=0.0,
+        exit_check_layers=[1],
+        return_dict_in_generate=True,
+    )
     stats = eet.ExitStats.from_generate(out, model)
     assert stats.num_tokens == 8 and stats.mean_exit_layer == 1.0
     assert stats.histogram == {1: 8}
@@ -435,17 +576,29 @@ def test_phi3_cache_restart_at_original_max_positions_equals_base_cut(tmp_path, 
     base.save_pretrained(tmp_path)
     model = eet.from_base(tmp_path, exit_layers=[0, 1, 2]).eval()
     ids, mask = padded_batch()  # 7 positions + 6 new: the cache restarts when the sequence reaches 10
-    kwargs = dict(attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False,
-                  cache_implementation=cache_implementation)
-    out = model.generate(ids, exit_criterion="max_prob", exit_threshold=0.0, exit_check_layers=[1],
-                         return_dict_in_generate=True, **kwargs)
+    kwargs = dict(
+        attention_mask=mask,
+        max_new_tokens=6,
+        min_new_tokens=6,
+        do_sample=False,
+        cache_implementation=cache_implementation,
+    )
+    out = model.generate(
+        ids,
+        exit_criterion="max_prob",
+        exit_threshold=0.0,
+        exit_check_layers=[1],
+        return_dict_in_generate=True,
+        **kwargs,
+    )
     expected = cut_at_exit(base, model, 1).generate(ids, **kwargs)
     assert torch.equal(out.sequences, expected)
     assert out.cache.get_seq_length() == out.sequences.shape[1] - 1
 
 
-@pytest.mark.parametrize("family_name, targets", [("phi3", ["qkv_proj"]), ("gpt2", ["c_attn"]),
-                                                  ("llama", ["k_proj", "v_proj"])])
+@pytest.mark.parametrize(
+    "family_name, targets", [("phi3", ["qkv_proj"]), ("gpt2", ["c_attn"]), ("llama", ["k_proj", "v_proj"])]
+)
 def test_backfill_goes_through_lora_wrapped_projections(base_dirs, family_name, targets):
     """Backfill calls the projection modules (a fused one whole, its K/V part sliced after the call), so a LoRA
     adapter on them takes part: the backfilled K/V equal the merged model's own."""
@@ -461,9 +614,17 @@ def test_backfill_goes_through_lora_wrapped_projections(base_dirs, family_name, 
             if "lora_B" in name:
                 param.normal_(std=0.5)
     ids, mask = padded_batch()
-    out = peft_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4,
-                              do_sample=False, exit_criterion="max_prob", exit_threshold=0.0, exit_check_layers=[1],
-                              return_dict_in_generate=True)
+    out = peft_model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=4,
+        min_new_tokens=4,
+        do_sample=False,
+        exit_criterion="max_prob",
+        exit_threshold=0.0,
+        exit_check_layers=[1],
+        return_dict_in_generate=True,
+    )
     assert (out.exit_layers == 1).all()
     merged = copy.deepcopy(base)  # the plain model with the LoRA deltas merged into its weights
     state = peft_model.merge_and_unload().state_dict()
@@ -476,7 +637,8 @@ def test_backfill_goes_through_lora_wrapped_projections(base_dirs, family_name, 
         reference = own_kv(merged, j, exit_states, full_mask, positions)
         for kind in ("keys", "values"):
             got, want = cached(out.cache.layers[j], kind), cached(reference, kind)
-            torch.testing.assert_close(got[:, :, -new:], want[:, :, -new:], rtol=1e-4, atol=1e-4,
-                                       msg=lambda m: f"layer {j} {kind}: {m}")
+            torch.testing.assert_close(
+                got[:, :, -new:], want[:, :, -new:], rtol=1e-4, atol=1e-4, msg=lambda m: f"layer {j} {kind}: {m}"
+            )
         without_lora = cached(own_kv(base, j, exit_states, full_mask, positions), "values")
         assert not torch.allclose(without_lora[:, :, -new:], want[:, :, -new:], atol=1e-3)  # the delta shows

@@ -5,10 +5,10 @@ import json
 
 import pytest
 import torch
+from conftest import padded_batch
 from transformers import AutoModel, AutoModelForCausalLM, GenerationConfig, LlamaModel
 
 import ee_transformers as eet
-from conftest import padded_batch
 
 EXITS = [0, 1, 2]
 ON = dict(exit_criterion="max_prob", exit_threshold=0.0)  # always confident: every token exits at the first check
@@ -20,8 +20,9 @@ def ee(base_dirs, family="llama", **kwargs):
 
 def decode(model, **kwargs):
     ids, mask = padded_batch()
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, return_dict_in_generate=True,
-                         **kwargs)
+    out = model.generate(
+        ids, attention_mask=mask, max_new_tokens=4, do_sample=False, return_dict_in_generate=True, **kwargs
+    )
     return out.exit_layers[out.exit_layers >= 0]  # tokens a row decided (-1: after its EOS)
 
 
@@ -56,8 +57,10 @@ def test_generation_config_json_round_trip(base_dirs, tmp_path):
     stored = json.loads((tmp_path / "m" / "generation_config.json").read_text())
     assert stored["exit_criterion"] == "max_prob" and stored["exit_check_layers"] == [1]
     assert not stored.get("_from_model_config"), "a config marked as from the model config loses custom keys on load"
-    for loaded in (eet.EarlyExitLlamaForCausalLM.from_pretrained(tmp_path / "m"),
-                   AutoModelForCausalLM.from_pretrained(tmp_path / "m", trust_remote_code=True)):
+    for loaded in (
+        eet.EarlyExitLlamaForCausalLM.from_pretrained(tmp_path / "m"),
+        AutoModelForCausalLM.from_pretrained(tmp_path / "m", trust_remote_code=True),
+    ):
         assert loaded.generation_config.exit_criterion == "max_prob"
         assert (decode(loaded.eval()) == 1).all()
 
@@ -73,8 +76,14 @@ def test_first_wave_config_settings_move_to_the_generation_config(base_dirs, tmp
     ee(base_dirs).save_pretrained(tmp_path / "m")
     path = tmp_path / "m" / "config.json"
     config = json.loads(path.read_text())
-    config.update(exit_criterion="max_prob", exit_threshold=0.0, exit_check_layers=[2], exit_policy="batch",
-                  exit_patience=0, exit_kv="immediate")  # as the first wave saved it
+    config.update(
+        exit_criterion="max_prob",
+        exit_threshold=0.0,
+        exit_check_layers=[2],
+        exit_policy="batch",
+        exit_patience=0,
+        exit_kv="immediate",
+    )  # as the first wave saved it
     path.write_text(json.dumps(config))
     (tmp_path / "m" / "generation_config.json").unlink()
     model = eet.EarlyExitLlamaForCausalLM.from_pretrained(tmp_path / "m").eval()
@@ -86,17 +95,20 @@ def test_first_wave_config_settings_move_to_the_generation_config(base_dirs, tmp
 
 
 # -- validation ---------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name, value, words", [
-    ("exit_policy", "rows", "['batch', 'row']"),
-    ("exit_kv", "lazy", "['immediate', 'deferred']"),
-    ("exit_check_layers", [99], "subset of the exits [0, 1, 2]"),
-    ("exit_check_layers", 3, "list of exit layer indices"),
-    ("exit_criterion", "confidence", "max_prob"),
-    ("exit_threshold", "high", "float"),
-    ("exit_threshold", True, "float"),
-    ("exit_patience", 1, ">= 2"),
-    ("early_exit", "yes", "True, False"),
-])
+@pytest.mark.parametrize(
+    "name, value, words",
+    [
+        ("exit_policy", "rows", "['batch', 'row']"),
+        ("exit_kv", "lazy", "['immediate', 'deferred']"),
+        ("exit_check_layers", [99], "subset of the exits [0, 1, 2]"),
+        ("exit_check_layers", 3, "list of exit layer indices"),
+        ("exit_criterion", "confidence", "max_prob"),
+        ("exit_threshold", "high", "float"),
+        ("exit_threshold", True, "float"),
+        ("exit_patience", 1, ">= 2"),
+        ("early_exit", "yes", "True, False"),
+    ],
+)
 def test_every_bad_exit_argument_raises_alone(base_dirs, name, value, words):
     model = ee(base_dirs)
     with pytest.raises(ValueError, match=f"`{name}`") as error:  # alone: no criterion or threshold given

@@ -41,8 +41,9 @@ def test_binomial_tail_matches_a_direct_sum():
 def test_the_promise_holds_with_probability_one_minus_delta():
     """Over many calibration samples, the chosen threshold's true rate exceeds epsilon in at most ~delta of them."""
     trials, n = 300, 2000
-    violations = sum(true_rate(t) > EPSILON for t in (chosen_threshold(n, seed) for seed in range(trials))
-                     if t is not None)
+    violations = sum(
+        true_rate(t) > EPSILON for t in (chosen_threshold(n, seed) for seed in range(trials)) if t is not None
+    )
     # binomial(300, 0.1) has sd ~5.2: allow delta plus three sd; in practice the test is conservative
     assert violations / trials <= DELTA + 3 * math.sqrt(DELTA * (1 - DELTA) / trials)
 

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Forks one child per case of the plan; a child runs `ee-transformers ARGV...` and stops dead at its moment (it writes
 # its signal file, then sleeps until killed). Records how each child ended.
-FORKER = r'''
+FORKER = r"""
 import json, os, shutil, sys, time
 import transformers.modeling_utils as modeling_utils
 from ee_transformers.tools import cli, outputs
@@ -82,7 +82,7 @@ for _ in children:
     pid, status = os.wait()
     ended[children[pid]] = os.waitstatus_to_exitcode(status)
 json.dump(ended, open(sys.argv[2], "w"))
-'''
+"""
 
 
 def digest(folder):
@@ -103,8 +103,18 @@ def leftovers(parent, name):
 
 
 def calibrate_argv(model, texts):
-    return ["calibrate", str(model), "--data", *texts, "--block-size", "32", "--verify-prompts", "0",
-            "--costs", '{"head_cost": 0, "backfill_cost": 0}']
+    return [
+        "calibrate",
+        str(model),
+        "--data",
+        *texts,
+        "--block-size",
+        "32",
+        "--verify-prompts",
+        "0",
+        "--costs",
+        '{"head_cost": 0, "backfill_cost": 0}',
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -116,9 +126,14 @@ def killed(tmp_path_factory):
     texts = write_texts(root / "text", tiny_texts(n_docs=6))
     assert cli.main(["convert", str(root / "base"), str(root / "ee"), "--exit-layers", "1,2"]) == 0
     cases, plan = {}, []
-    for name, moment in [("convert mid-weights", "mid-weights"), ("convert between-renames", "between-renames"),
-                         ("convert after-exchange", "after-exchange"), ("convert new folder", "mid-weights"),
-                         ("calibrate mid-weights", "mid-weights"), ("calibrate between-renames", "between-renames")]:
+    for name, moment in [
+        ("convert mid-weights", "mid-weights"),
+        ("convert between-renames", "between-renames"),
+        ("convert after-exchange", "after-exchange"),
+        ("convert new folder", "mid-weights"),
+        ("calibrate mid-weights", "mid-weights"),
+        ("calibrate between-renames", "between-renames"),
+    ]:
         case = root / name.replace(" ", "-")
         case.mkdir()
         out = case / "ee"
@@ -130,12 +145,18 @@ def killed(tmp_path_factory):
         else:
             argv = calibrate_argv(out, texts)  # in place
         cases[name] = (case, digest(out), argv)
-        plan.append({"name": name, "moment": moment, "argv": argv, "signal": str(case / "reached"),
-                     "pid": str(case / "pid")})
+        plan.append(
+            {"name": name, "moment": moment, "argv": argv, "signal": str(case / "reached"), "pid": str(case / "pid")}
+        )
     (root / "plan.json").write_text(json.dumps(plan))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    forker = subprocess.Popen([sys.executable, "-c", FORKER, str(root / "plan.json"), str(root / "ended.json")],
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    forker = subprocess.Popen(
+        [sys.executable, "-c", FORKER, str(root / "plan.json"), str(root / "ended.json")],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 300
         for case in plan:

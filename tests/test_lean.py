@@ -11,13 +11,12 @@ import textwrap
 import pytest
 import torch
 import transformers.modeling_utils
+from conftest import cut_at_exit, padded_batch
+from test_generate import scripted_heads
 
 import ee_transformers as eet
 from ee_transformers.generation_early_exit import EXIT_CRITERIA, ExitCriterion
 from ee_transformers.lean_early_exit import ShedLayer, kv_bytes_per_token, memory_report, resident_parameter_bytes
-from conftest import padded_batch
-from conftest import cut_at_exit
-from test_generate import scripted_heads
 
 EXITS = [0, 1, 2]  # tiny models: 4 decoder layers, the last (3) is the final exit
 NEVER = dict(exit_criterion="max_prob", exit_threshold=1.0)  # never confident: every token runs to the deepest layer
@@ -122,12 +121,21 @@ def schedule():
 @pytest.mark.parametrize("cache_implementation", [None, "static"])
 @pytest.mark.parametrize("policy, kv", [("batch", "immediate"), ("batch", "deferred"), ("row", "immediate")])
 @pytest.mark.parametrize("criterion", ["max_prob", "schedule"])
-def test_lean_equals_full_model_with_a_forced_exit_at_max_layer(base_dirs, family, criterion, policy, kv,
-                                                                cache_implementation):
+def test_lean_equals_full_model_with_a_forced_exit_at_max_layer(
+    base_dirs, family, criterion, policy, kv, cache_implementation
+):
     full, lean = full_and_lean(base_dirs, family, exit_max_layer=1)
     ids, mask = padded_batch(batch=4)
-    kwargs = dict(attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False, exit_policy=policy,
-                  exit_kv=kv, cache_implementation=cache_implementation, return_dict_in_generate=True)
+    kwargs = dict(
+        attention_mask=mask,
+        max_new_tokens=8,
+        min_new_tokens=8,
+        do_sample=False,
+        exit_policy=policy,
+        exit_kv=kv,
+        cache_implementation=cache_implementation,
+        return_dict_in_generate=True,
+    )
     if criterion == "max_prob":  # a threshold at the median confidence of the first exit: row policy mixes exits
         with torch.no_grad():
             logits = full(ids, attention_mask=mask, output_exit_logits=True).exit_logits[0][:, -1]
@@ -151,7 +159,9 @@ def test_lean_without_exit_settings_equals_base_cut_at_max_layer(base_dirs):
     ids, mask = padded_batch()
     out = lean.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
     assert (out.exit_layers == 1).all() and out.greedy_exits.all()
-    expected = cut_at_exit(base, full, exit_index=1).generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    expected = cut_at_exit(base, full, exit_index=1).generate(
+        ids, attention_mask=mask, max_new_tokens=6, do_sample=False
+    )
     assert torch.equal(out.sequences, expected)
 
 
@@ -166,8 +176,16 @@ def test_greedy_exits_are_the_tokens_that_reached_the_max_layer_undecided(base_d
 
     scripted_heads(lean, [lambda n, v, hidden: torch.zeros(n, vocab), confident_row0, None])
     ids, mask = padded_batch(batch=3)
-    out = lean.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, exit_criterion="max_prob",
-                        exit_threshold=0.9, exit_policy="row", return_dict_in_generate=True)
+    out = lean.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=4,
+        do_sample=False,
+        exit_criterion="max_prob",
+        exit_threshold=0.9,
+        exit_policy="row",
+        return_dict_in_generate=True,
+    )
     assert (out.exit_layers == 1).all()
     assert out.greedy_exits.tolist() == [[False] * 4, [True] * 4, [True] * 4]
     stats = eet.ExitStats.from_generate(out, lean)
@@ -183,13 +201,22 @@ def test_a_greedy_exit_reuses_the_check_at_the_max_layer(base_dirs, policy):
     calls = []
     lean.lm_head.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
     ids, mask = padded_batch(batch=3)
-    out = lean.generate(ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False, **NEVER,
-                        exit_policy=policy, return_dict_in_generate=True)
+    out = lean.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=4,
+        min_new_tokens=4,
+        do_sample=False,
+        **NEVER,
+        exit_policy=policy,
+        return_dict_in_generate=True,
+    )
     assert out.greedy_exits.all()
     assert calls == [3, 3] * 4  # the checks at exits 0 and 1, for every row, each step; no third head call
 
 
 # --- deep layers are never materialised --------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("cache_implementation", [None, "static"])
 def test_shed_layers_are_never_read_hold_no_memory_and_get_no_kv(base_dirs, monkeypatch, cache_implementation):
@@ -210,8 +237,16 @@ def test_shed_layers_are_never_read_hold_no_memory_and_get_no_kv(base_dirs, monk
     assert resident_parameter_bytes(lean) == resident_parameter_bytes(full) - shed
 
     ids, mask = padded_batch()
-    out = lean.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, exit_criterion="max_prob",
-                        exit_threshold=0.5, cache_implementation=cache_implementation, return_dict_in_generate=True)
+    out = lean.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=5,
+        do_sample=False,
+        exit_criterion="max_prob",
+        exit_threshold=0.5,
+        cache_implementation=cache_implementation,
+        return_dict_in_generate=True,
+    )
     for j in (2, 3):
         assert getattr(out.cache.layers[j], "keys", None) is None or out.cache.layers[j].keys.numel() == 0
     kv = kv_bytes_per_token(out.cache)
@@ -267,20 +302,35 @@ def test_a_saved_folder_loads_lean_without_the_package(base_dirs, tmp_path):
     full.save_pretrained(tmp_path / "ee")
     assert "lean_early_exit.py" in os.listdir(tmp_path / "ee")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    run = subprocess.run([sys.executable, "-c", LEAN_REMOTE, str(tmp_path / "ee")], capture_output=True, text=True,
-                         env=env, cwd=tmp_path, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-c", LEAN_REMOTE, str(tmp_path / "ee")],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
     assert got["shed"] == ["Qwen2DecoderLayer"] * 2 + ["ShedLayer"] * 2
     assert "exit_max_layer" not in got["generation_config"]  # a load argument, not a generation setting
-    want = lean.generate(torch.tensor([[3, 4, 5, 6]]), max_new_tokens=6, min_new_tokens=6, do_sample=False,
-                         exit_criterion="max_prob", exit_threshold=1.0, exit_breach_limit=0.5, exit_breach_window=2,
-                         return_dict_in_generate=True)
+    want = lean.generate(
+        torch.tensor([[3, 4, 5, 6]]),
+        max_new_tokens=6,
+        min_new_tokens=6,
+        do_sample=False,
+        exit_criterion="max_prob",
+        exit_threshold=1.0,
+        exit_breach_limit=0.5,
+        exit_breach_window=2,
+        return_dict_in_generate=True,
+    )
     assert got["exits"] == want.exit_layers.tolist() == [[1, 1, 2, 2, 3, 3]]
     assert got["tokens"] == want.sequences.tolist()
 
 
 # --- deepening ---------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("cache_implementation", [None, "static"])
 @pytest.mark.parametrize("policy, kv", [("batch", "immediate"), ("batch", "deferred"), ("row", "immediate")])
@@ -289,9 +339,20 @@ def test_deepening_mid_generation_equals_a_full_depth_continuation(base_dirs, po
     full, lean = full_and_lean(base_dirs, "llama", exit_max_layer=2)
     ids, mask = padded_batch(batch=3)
     # 3 rows, every token greedy: more than 0.5 of the last 12 decided tokens are greedy after 3 steps -> deepen
-    out = lean.generate(ids, attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False, **NEVER,
-                        exit_breach_limit=0.5, exit_breach_window=12, exit_policy=policy, exit_kv=kv,
-                        cache_implementation=cache_implementation, return_dict_in_generate=True)
+    out = lean.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=8,
+        min_new_tokens=8,
+        do_sample=False,
+        **NEVER,
+        exit_breach_limit=0.5,
+        exit_breach_window=12,
+        exit_policy=policy,
+        exit_kv=kv,
+        cache_implementation=cache_implementation,
+        return_dict_in_generate=True,
+    )
     assert out.deepenings == [(3, 2, 3)]
     assert out.exit_layers.tolist() == [[2] * 3 + [3] * 5] * 3  # visible: exit layers beyond the old exit_max_layer
     assert out.greedy_exits.tolist() == [[True] * 3 + [False] * 5] * 3
@@ -307,21 +368,40 @@ def test_deepening_mid_generation_equals_a_full_depth_continuation(base_dirs, po
 def test_deepening_through_every_exit_equals_full_model_with_the_same_decisions_and_deferred_kv(base_dirs, kv):
     full, lean = full_and_lean(base_dirs, "qwen3", exit_max_layer=0)
     ids, mask = padded_batch(batch=2)
-    out = lean.generate(ids, attention_mask=mask, max_new_tokens=10, min_new_tokens=10, do_sample=False, **NEVER,
-                        exit_breach_limit=0.5, exit_breach_window=4, exit_kv=kv, return_dict_in_generate=True)
+    out = lean.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=10,
+        min_new_tokens=10,
+        do_sample=False,
+        **NEVER,
+        exit_breach_limit=0.5,
+        exit_breach_window=4,
+        exit_kv=kv,
+        return_dict_in_generate=True,
+    )
     assert [(old, new) for _, old, new in out.deepenings] == [(0, 1), (1, 2), (2, 3)]
     schedule = out.exit_layers[0].tolist()  # the same decisions, made on the fully loaded model with deferred K/V
     assert schedule == [0] * 2 + [1] * 2 + [2] * 2 + [3] * 4
     steps = iter(schedule)
-    want = full.generate(ids, attention_mask=mask, max_new_tokens=10, min_new_tokens=10, do_sample=False,
-                         exit_criterion=ForcedExits(lambda b, d: torch.full((b,), next(steps), device=d)),
-                         exit_kv="deferred", return_dict_in_generate=True)
+    want = full.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=10,
+        min_new_tokens=10,
+        do_sample=False,
+        exit_criterion=ForcedExits(lambda b, d: torch.full((b,), next(steps), device=d)),
+        exit_kv="deferred",
+        return_dict_in_generate=True,
+    )
     assert torch.equal(out.sequences, want.sequences)
     assert torch.equal(out.exit_layers, want.exit_layers)
     valid = torch.cat([mask, torch.ones(2, 9, dtype=mask.dtype)], dim=1).bool()[:, None, :, None]
     for j in range(4):  # deep K/V exact: what the fully loaded model's deferred K/V hold, at every real position
-        for got, ref in ((out.cache.layers[j].keys, want.cache.layers[j].keys),
-                         (out.cache.layers[j].values, want.cache.layers[j].values)):
+        for got, ref in (
+            (out.cache.layers[j].keys, want.cache.layers[j].keys),
+            (out.cache.layers[j].values, want.cache.layers[j].values),
+        ):
             torch.testing.assert_close(got * valid, ref * valid, rtol=1e-5, atol=1e-5)
 
 
@@ -331,9 +411,18 @@ def test_kept_states_follow_each_row_under_the_row_policy(base_dirs):
     ids, mask = padded_batch(batch=3)
     kept = {}
     for name, targets in (("row 1 exits at 0", [3, 0, 3]), ("all greedy", [3, 3, 3])):
-        out = lean.generate(ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False,
-                            exit_policy="row", exit_criterion=ForcedExits(lambda b, d: torch.tensor(targets, device=d)),
-                            exit_breach_limit=1.0, exit_breach_window=4, return_dict_in_generate=True)
+        out = lean.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=4,
+            min_new_tokens=4,
+            do_sample=False,
+            exit_policy="row",
+            exit_criterion=ForcedExits(lambda b, d: torch.tensor(targets, device=d)),
+            exit_breach_limit=1.0,
+            exit_breach_window=4,
+            return_dict_in_generate=True,
+        )
         kept[name] = (out.sequences, out.cache.pending[0].states)
     # rows 0 and 2 ran to layer 1 both times: their kept states do not depend on row 1
     for row in (0, 2):
@@ -342,8 +431,12 @@ def test_kept_states_follow_each_row_under_the_row_policy(base_dirs):
     sequences = kept["row 1 exits at 0"][0][1:2, :-1]
     row_mask = torch.cat([mask[1:2], torch.ones(1, 3, dtype=mask.dtype)], dim=1)
     with torch.no_grad():
-        states = base(sequences, attention_mask=row_mask, position_ids=(row_mask.cumsum(-1) - 1).clamp_min(0),
-                      output_hidden_states=True).hidden_states[1]
+        states = base(
+            sequences,
+            attention_mask=row_mask,
+            position_ids=(row_mask.cumsum(-1) - 1).clamp_min(0),
+            output_hidden_states=True,
+        ).hidden_states[1]
     decoded = slice(ids.shape[1], sequences.shape[1])
     torch.testing.assert_close(kept["row 1 exits at 0"][1][1, decoded], states[0, decoded], rtol=1e-5, atol=1e-5)
 
@@ -351,8 +444,17 @@ def test_kept_states_follow_each_row_under_the_row_policy(base_dirs):
 def test_guard_on_keeps_the_states_leaving_the_max_layer_and_limit_one_never_deepens(base_dirs):
     full, lean = full_and_lean(base_dirs, "mistral", exit_max_layer=1)
     ids, mask = padded_batch(batch=2)
-    out = lean.generate(ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False, **NEVER,
-                        exit_breach_limit=1.0, exit_breach_window=2, return_dict_in_generate=True)
+    out = lean.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=4,
+        min_new_tokens=4,
+        do_sample=False,
+        **NEVER,
+        exit_breach_limit=1.0,
+        exit_breach_window=2,
+        return_dict_in_generate=True,
+    )
     assert out.deepenings == [] and out.greedy_exits.all() and lean.exit_max_layer == 1
     kept = out.cache.pending[0]  # every position fed so far (prompt + 3 tokens), the stream leaving layer 1
     assert kept.depth == 2 and kept.states.shape == (2, ids.shape[1] + 3, lean.config.hidden_size)
@@ -361,8 +463,10 @@ def test_guard_on_keeps_the_states_leaving_the_max_layer_and_limit_one_never_dee
 
 # --- bad input -----------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("exit_layers, value", [(EXITS, 4), (EXITS, 7), (EXITS, -1), (EXITS, "1"), (EXITS, 1.0),
-                                                 (EXITS, True), ([0, 2], 1)])
+
+@pytest.mark.parametrize(
+    "exit_layers, value", [(EXITS, 4), (EXITS, 7), (EXITS, -1), (EXITS, "1"), (EXITS, 1.0), (EXITS, True), ([0, 2], 1)]
+)
 def test_bad_exit_max_layer_raises_before_any_weight_is_read(base_dirs, monkeypatch, exit_layers, value):
     folder = base_dirs["llama"][0]
     recorder = RecordingSlices(monkeypatch)
@@ -375,31 +479,35 @@ def test_bad_exit_max_layer_raises_before_any_weight_is_read(base_dirs, monkeypa
         model.set_exit_max_layer(value)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(exit_breach_limit=1.5, exit_breach_window=8), r"`exit_breach_limit`.*0 <= exit_breach_limit <= 1"),
-    (dict(exit_breach_limit=-0.1, exit_breach_window=8), "`exit_breach_limit`"),
-    (dict(exit_breach_limit=math.nan, exit_breach_window=8), "`exit_breach_limit`"),
-    (dict(exit_breach_limit=True, exit_breach_window=8), "`exit_breach_limit`"),
-    (dict(exit_breach_limit=0.2, exit_breach_window=0), r"`exit_breach_window`.*>= 1"),
-    (dict(exit_breach_limit=0.2, exit_breach_window=2.5), "`exit_breach_window`"),
-    (dict(exit_breach_limit=0.2), r"`exit_breach_window` is required"),
-    (dict(exit_breach_window=8), r"`exit_breach_limit` is required"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(exit_breach_limit=1.5, exit_breach_window=8), r"`exit_breach_limit`.*0 <= exit_breach_limit <= 1"),
+        (dict(exit_breach_limit=-0.1, exit_breach_window=8), "`exit_breach_limit`"),
+        (dict(exit_breach_limit=math.nan, exit_breach_window=8), "`exit_breach_limit`"),
+        (dict(exit_breach_limit=True, exit_breach_window=8), "`exit_breach_limit`"),
+        (dict(exit_breach_limit=0.2, exit_breach_window=0), r"`exit_breach_window`.*>= 1"),
+        (dict(exit_breach_limit=0.2, exit_breach_window=2.5), "`exit_breach_window`"),
+        (dict(exit_breach_limit=0.2), r"`exit_breach_window` is required"),
+        (dict(exit_breach_window=8), r"`exit_breach_limit` is required"),
+    ],
+)
 def test_bad_guard_settings(base_dirs, monkeypatch, kwargs, match):
     folder = base_dirs["llama"][0]
     lean = eet.from_base(folder, exit_layers=EXITS, exit_max_layer=1)
     with pytest.raises(ValueError, match=match):
-        lean.generate(torch.tensor([[3, 4]]), max_new_tokens=2, exit_criterion="max_prob", exit_threshold=0.5,
-                      **kwargs)
+        lean.generate(torch.tensor([[3, 4]]), max_new_tokens=2, exit_criterion="max_prob", exit_threshold=0.5, **kwargs)
     if len(kwargs) == 2:  # a bad value given at load time is refused before any weight is read
         recorder = RecordingSlices(monkeypatch)
         with pytest.raises(ValueError, match=match):
-            eet.from_base(folder, exit_layers=EXITS, exit_max_layer=1, exit_criterion="max_prob", exit_threshold=0.5,
-                          **kwargs)
+            eet.from_base(
+                folder, exit_layers=EXITS, exit_max_layer=1, exit_criterion="max_prob", exit_threshold=0.5, **kwargs
+            )
         assert recorder.read == []
 
 
 # --- the exit profile ----------------------------------------------------------------------------------------------
+
 
 def _texts(lengths, seed=3):
     generator = torch.Generator().manual_seed(seed)
@@ -407,29 +515,43 @@ def _texts(lengths, seed=3):
 
 
 def test_profile_decides_each_position_as_decoding_would(base_dirs):
-    from ee_transformers.tools.profile import decide_positions
-    from ee_transformers.generation_early_exit import merged_exit_values, resolve_exit_settings
     import dataclasses
+
+    from ee_transformers.generation_early_exit import merged_exit_values, resolve_exit_settings
+    from ee_transformers.tools.profile import decide_positions
 
     full = perturb_heads(eet.from_base(base_dirs["llama"][0], exit_layers=EXITS))
     ids = torch.tensor([[5, 17, 42, 8, 91, 33, 60, 2, 71, 12]])
     with torch.no_grad():
         confidence = full(ids, output_exit_logits=True).exit_logits[1][0].softmax(-1).max(-1).values
     settings = dict(exit_criterion="max_prob", exit_threshold=float(confidence.median()), exit_patience=2)
-    resolved = dataclasses.replace(resolve_exit_settings(full.config, merged_exit_values(full, None, dict(settings))),
-                                   policy="row")
+    resolved = dataclasses.replace(
+        resolve_exit_settings(full.config, merged_exit_values(full, None, dict(settings))), policy="row"
+    )
     with torch.no_grad():
         hidden = [h[0] for h in full(ids, output_hidden_states=True).hidden_states]
     profiled = decide_positions(full, resolved, hidden, chunk=4)
-    decoded = [int(full.generate(ids[:, : k + 1], max_new_tokens=1, do_sample=False, exit_policy="row",
-                                 return_dict_in_generate=True, **settings).exit_layers[0, 0]) for k in range(10)]
+    decoded = [
+        int(
+            full.generate(
+                ids[:, : k + 1],
+                max_new_tokens=1,
+                do_sample=False,
+                exit_policy="row",
+                return_dict_in_generate=True,
+                **settings,
+            ).exit_layers[0, 0]
+        )
+        for k in range(10)
+    ]
     assert profiled.tolist() == decoded
     assert len(set(decoded)) > 1, f"expected a mix of deciding layers, got {decoded}"
 
 
 def test_profile_histogram_sums_to_the_decided_tokens_and_writes_next_to_the_model(base_dirs, tmp_path, capsys):
-    from ee_transformers.tools.profile import ExitProfile, main, profile_exits
     from test_model import _tiny_tokenizer
+
+    from ee_transformers.tools.profile import ExitProfile, main, profile_exits
 
     model = perturb_heads(eet.from_base(base_dirs["llama"][0], exit_layers=EXITS))
     model.tokenizer = _tiny_tokenizer()
@@ -461,14 +583,29 @@ def test_profile_histogram_sums_to_the_decided_tokens_and_writes_next_to_the_mod
         profile_exits(model, model.tokenizer, texts, progress=False)
 
     (tmp_path / "data.txt").write_text(texts[0])
-    assert main([str(folder), "--data", str(tmp_path / "data.txt"), "--window", "8", "--exit-threshold", "0.9",
-                 "--out", str(tmp_path / "cli")]) == 0
+    assert (
+        main(
+            [
+                str(folder),
+                "--data",
+                str(tmp_path / "data.txt"),
+                "--window",
+                "8",
+                "--exit-threshold",
+                "0.9",
+                "--out",
+                str(tmp_path / "cli"),
+            ]
+        )
+        == 0
+    )
     cli = ExitProfile.load(tmp_path / "cli")
     assert cli.num_tokens == 30 and cli.settings["thresholds"] == {"0": 0.9, "1": 0.9, "2": 0.9}
     assert "exit_max_layer for 95% coverage" in capsys.readouterr().out
 
 
 # --- the memory-budget benchmark's measurements --------------------------------------------------------------------
+
 
 def test_peak_memory_counts_live_storages_once():
     from ee_transformers.tools.bench_lean import PeakMemory
@@ -487,7 +624,7 @@ def test_peak_memory_counts_live_storages_once():
 def test_measured_memory_and_the_largest_batch_that_fits(base_dirs):
     from ee_transformers.tools.bench_lean import fit_batch, measure_memory, parse_bytes
 
-    assert parse_bytes("1.5G") == 3 * 2 ** 29 and parse_bytes("900M") == 900 * 2 ** 20 and parse_bytes(4096) == 4096
+    assert parse_bytes("1.5G") == 3 * 2**29 and parse_bytes("900M") == 900 * 2**20 and parse_bytes(4096) == 4096
     with pytest.raises(ValueError, match="memory-budget"):
         parse_bytes("-1M")
     full, lean = full_and_lean(base_dirs, "llama", exit_max_layer=1)
@@ -495,7 +632,9 @@ def test_measured_memory_and_the_largest_batch_that_fits(base_dirs):
     settings = dict(exit_criterion="max_prob", exit_threshold=1.0)
     memory = {name: measure_memory(model, prompts, 20, settings) for name, model in (("full", full), ("lean", lean))}
     per_layer = 2 * 2 * 8 * 4  # K and V, 2 KV heads of 8 dims, fp32
-    assert memory["full"]["kv_bytes_per_token"] == 4 * per_layer and memory["lean"]["kv_bytes_per_token"] == 2 * per_layer
+    assert (
+        memory["full"]["kv_bytes_per_token"] == 4 * per_layer and memory["lean"]["kv_bytes_per_token"] == 2 * per_layer
+    )
     assert memory["full"]["weights"] - memory["lean"]["weights"] == layer_bytes(full, 2) + layer_bytes(full, 3)
     for m in memory.values():  # each row's K/V for 12 + 20 - 1 positions is part of what a row costs
         assert m["per_row"] >= m["kv_bytes_per_token"] * 31 and m["peak"][2] > m["peak"][1]
@@ -507,8 +646,9 @@ def test_measured_memory_and_the_largest_batch_that_fits(base_dirs):
 
 
 def test_profile_agreement_is_each_depth_cut_against_full_depth(base_dirs):
-    from ee_transformers.tools.profile import profile_exits
     from test_model import _tiny_tokenizer
+
+    from ee_transformers.tools.profile import profile_exits
 
     model = perturb_heads(eet.from_base(base_dirs["qwen2"][0], exit_layers=EXITS))
     texts = _texts([40, 25], seed=5)
@@ -517,7 +657,9 @@ def test_profile_agreement_is_each_depth_cut_against_full_depth(base_dirs):
     assert profile.histogram == {3: 65} and profile.agreement[3] == 1.0
     ids = _tiny_tokenizer()(texts, add_special_tokens=False)["input_ids"]
     with torch.no_grad():
-        outs = [model(torch.tensor([w[s:s + 16]]), output_exit_logits=True) for w in ids for s in range(0, len(w), 16)]
+        outs = [
+            model(torch.tensor([w[s : s + 16]]), output_exit_logits=True) for w in ids for s in range(0, len(w), 16)
+        ]
     full = torch.cat([o.logits[0].argmax(-1) for o in outs])
     for i, e in enumerate(EXITS):
         cut = torch.cat([o.exit_logits[i][0].argmax(-1) for o in outs])

@@ -10,10 +10,10 @@ import textwrap
 
 import pytest
 import torch
+from conftest import FAMILIES, cut_at_exit, decoder_names, padded_batch
 from transformers import AutoModel, AutoModelForCausalLM, BertConfig
 
 import ee_transformers as eet
-from conftest import FAMILIES, cut_at_exit, decoder_names, padded_batch
 
 # plain model_type -> (early-exit causal LM, early-exit model_type)
 EXPECTED = {
@@ -140,17 +140,21 @@ def test_bad_arguments_fail_before_weights_load(base_dirs, tmp_path, kwargs, mat
 
 def test_unsupported_family_names_the_supported_ones(tmp_path):
     BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64).save_pretrained(
-        tmp_path)
+        tmp_path
+    )
     with pytest.raises(ValueError, match="bert") as info:
         eet.from_base(tmp_path, exit_layers=[0])
     for name in eet.FAMILIES:
         assert repr(name) in str(info.value)
 
 
-@pytest.mark.parametrize("family, overrides, field", [
-    ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),  # EmbeddingGemma
-    ("gpt2", {"add_cross_attention": True}, "add_cross_attention"),  # GPT-2 inside an encoder-decoder
-])
+@pytest.mark.parametrize(
+    "family, overrides, field",
+    [
+        ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),  # EmbeddingGemma
+        ("gpt2", {"add_cross_attention": True}, "add_cross_attention"),  # GPT-2 inside an encoder-decoder
+    ],
+)
 def test_variants_that_are_not_causal_lms_are_refused_by_name(tmp_path, family, overrides, field):
     from conftest import make_base
 
@@ -219,8 +223,7 @@ def saved_folders(base_dirs, tmp_path_factory):
     root = tmp_path_factory.mktemp("saved")
     models, folders = {}, {}
     for family in FAMILIES:
-        model = eet.from_base(base_dirs[family][0], exit_layers=[0, 2], exit_head="adapter",
-                              exit_adapter_rank=4).eval()
+        model = eet.from_base(base_dirs[family][0], exit_layers=[0, 2], exit_head="adapter", exit_adapter_rank=4).eval()
         torch.manual_seed(5)
         with torch.no_grad():
             model.exit_heads[0].up.weight.normal_(std=0.1)  # saved heads must come back as they are
@@ -229,8 +232,14 @@ def saved_folders(base_dirs, tmp_path_factory):
         models[family], folders[family] = model, str(root / family)
     (root / "inputs.json").write_text(json.dumps([folders, REMOTE_IDS]))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HOME": str(root / "hf")}
-    result = subprocess.run([sys.executable, "-c", REMOTE_SCRIPT, str(root / "inputs.json")], capture_output=True,
-                            text=True, env=env, cwd=root, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-c", REMOTE_SCRIPT, str(root / "inputs.json")],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=root,
+        timeout=600,
+    )
     seen = {}
     for line in result.stdout.splitlines():
         if line.startswith("{"):
@@ -244,8 +253,14 @@ def test_saved_folder_is_hub_ready_and_loads_without_the_package(saved_folders, 
     model, out_dir, remote = saved_folders[family]
     cls_name, model_type = expected(base_dirs[family][1])
     files = set(os.listdir(out_dir))
-    assert {"model.safetensors", "config.json", "README.md", "tokenizer.json", "modeling_early_exit.py",
-            "configuration_early_exit.py"} <= files
+    assert {
+        "model.safetensors",
+        "config.json",
+        "README.md",
+        "tokenizer.json",
+        "modeling_early_exit.py",
+        "configuration_early_exit.py",
+    } <= files
     assert not any(name.endswith((".bin", ".pt", ".pkl")) for name in files)
     config = json.loads((out_dir / "config.json").read_text())
     assert config["auto_map"]["AutoModelForCausalLM"] == f"modeling_early_exit.{cls_name}"
@@ -253,8 +268,13 @@ def test_saved_folder_is_hub_ready_and_loads_without_the_package(saved_folders, 
     assert config["exit_layers"] == [0, 2]
     card = (out_dir / "README.md").read_text()
     front = card.split("---")[1]
-    for line in ("library_name: transformers", "pipeline_tag: text-generation", "base_model:",
-                 "tags: [early-exit, custom_code]", "exit_layers: [0, 2]"):
+    for line in (
+        "library_name: transformers",
+        "pipeline_tag: text-generation",
+        "base_model:",
+        "tags: [early-exit, custom_code]",
+        "exit_layers: [0, 2]",
+    ):
         assert line in front
     assert "trust_remote_code=True" in card
 
@@ -270,8 +290,7 @@ def test_saved_folder_is_hub_ready_and_loads_without_the_package(saved_folders, 
     assert remote["exit_sum"] == pytest.approx(float(local.exit_logits[0].double().sum()), rel=1e-6)
     assert remote["hidden_sum"] == pytest.approx(float(hidden.double().sum()), rel=1e-6)
     assert all(layer == 0 for row in remote["exits"] for layer in row)
-    local_tokens = model.generate(ids, max_new_tokens=4, do_sample=False, exit_criterion="max_prob",
-                                  exit_threshold=0.0)
+    local_tokens = model.generate(ids, max_new_tokens=4, do_sample=False, exit_criterion="max_prob", exit_threshold=0.0)
     assert remote["tokens"] == local_tokens.tolist()
 
     again = eet.from_base(out_dir)  # and back through our own loader, tokenizer included
@@ -308,8 +327,22 @@ def test_convert_cli(base_dirs, tmp_path):
     from ee_transformers.tools.cli import main
 
     out = tmp_path / "converted"
-    assert main(["convert", str(base_dirs["mistral"][0]), str(out), "--exit-layers", "0,2",
-                 "--exit-head", "adapter", "--exit-adapter-rank", "4"]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                str(base_dirs["mistral"][0]),
+                str(out),
+                "--exit-layers",
+                "0,2",
+                "--exit-head",
+                "adapter",
+                "--exit-adapter-rank",
+                "4",
+            ]
+        )
+        == 0
+    )
     config = json.loads((out / "config.json").read_text())
     assert config["exit_layers"] == [0, 2] and config["exit_head"] == "adapter"
     with pytest.raises(SystemExit):

@@ -57,10 +57,44 @@ def test_base_model_and_license_survive_convert_fit_and_calibrate(fetched, tmp_p
     converted, fitted, calibrated = tmp_path / "ee", tmp_path / "fitted", tmp_path / "calibrated"
     convert_main([str(fetched), str(converted), "--exit-layers", "1,2"])
     texts = write_texts(tmp_path / "text", tiny_texts(n_docs=6))
-    assert fit_exit_heads.main(["--model", str(converted), "--data", *texts, "--block-size", "32", "--steps", "2",
-                                "--batch-size", "2", "--no-progress", "--out", str(fitted)]) == 0
-    assert calibrate.main([str(fitted), "--data", *texts, "--block-size", "32", "--verify-prompts", "0",
-                           "--costs", '{"head_cost": 0, "backfill_cost": 0}', "--out", str(calibrated)]) == 0
+    assert (
+        fit_exit_heads.main(
+            [
+                "--model",
+                str(converted),
+                "--data",
+                *texts,
+                "--block-size",
+                "32",
+                "--steps",
+                "2",
+                "--batch-size",
+                "2",
+                "--no-progress",
+                "--out",
+                str(fitted),
+            ]
+        )
+        == 0
+    )
+    assert (
+        calibrate.main(
+            [
+                str(fitted),
+                "--data",
+                *texts,
+                "--block-size",
+                "32",
+                "--verify-prompts",
+                "0",
+                "--costs",
+                '{"head_cost": 0, "backfill_cost": 0}',
+                "--out",
+                str(calibrated),
+            ]
+        )
+        == 0
+    )
     for folder in (converted, fitted, calibrated):
         meta, text = card_of(folder)
         assert meta["base_model"] == SMOLLM2 and meta["license"] == "apache-2.0", (folder.name, meta)
@@ -83,22 +117,31 @@ def test_a_hub_snapshot_is_named_by_its_repository(tmp_path):
     snapshot = tmp_path / "hub" / "models--SomeOrg--tiny-llama" / "snapshots" / ("0123abcd" * 5)
     base = save_tiny_base(snapshot)
     Path(base, "README.md").write_text("---\nlicense: mit\nbase_model: SomeOrg/its-parent\n---\n# tiny\n")
-    assert source_card_data(base) == {"base_model": "SomeOrg/tiny-llama", "license": "mit"}, \
+    assert source_card_data(base) == {"base_model": "SomeOrg/tiny-llama", "license": "mit"}, (
         "a Hub card's own base_model is its parent, not itself; its license is the model's"
+    )
 
 
 def test_card_snippet_loads_without_the_custom_code_prompt(tmp_path):
     base = save_tiny_base(tmp_path / "base")
     folder = tmp_path / "ee"
     eet.from_base(base, exit_layers=[1, 2]).save_pretrained(folder)
-    assert "auto_map" not in json.loads((folder / "tokenizer_config.json").read_text()), \
+    assert "auto_map" not in json.loads((folder / "tokenizer_config.json").read_text()), (
         "an auto_map in tokenizer_config.json would make AutoTokenizer ask to run custom code"
+    )
     snippet = re.search(r"```python\n(.*?)```", (folder / "README.md").read_text(), flags=re.S).group(1)
     snippet = snippet.replace("path/to/this/folder", str(folder))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1")  # remote code is copied under HF_HOME
-    run = subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path, env=env, stdin=subprocess.DEVNULL,
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-c", snippet],
+        cwd=tmp_path,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     output = run.stdout + run.stderr
     assert run.returncode == 0, output[-2000:]
     assert "custom code" not in output and "trust_remote_code" not in output, output[-2000:]

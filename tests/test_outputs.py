@@ -40,11 +40,17 @@ def test_writes_the_folder_whole_and_leaves_nothing_behind(tmp_path):
     assert json.loads((tmp_path / "out" / MANIFEST).read_text())["entries"] == ["a.txt", "sub"]
 
 
-@pytest.mark.parametrize("setup, message", [
-    (lambda p: (p / "out").write_text("a user's file"), "is a file, not a folder"),
-    (lambda p: ((p / "out").mkdir(), (p / "out" / "notes.txt").write_text("mine")), "already exists and is not empty"),
-    (lambda p: ((p / "real").mkdir(), (p / "out").symlink_to(p / "real")), "is a symbolic link"),
-])
+@pytest.mark.parametrize(
+    "setup, message",
+    [
+        (lambda p: (p / "out").write_text("a user's file"), "is a file, not a folder"),
+        (
+            lambda p: ((p / "out").mkdir(), (p / "out" / "notes.txt").write_text("mine")),
+            "already exists and is not empty",
+        ),
+        (lambda p: ((p / "real").mkdir(), (p / "out").symlink_to(p / "real")), "is a symbolic link"),
+    ],
+)
 def test_refuses_before_any_work_and_changes_nothing(tmp_path, setup, message):
     setup(tmp_path)
     before = tree(tmp_path)
@@ -100,8 +106,12 @@ def test_in_place_update_keeps_every_entry_and_links_instead_of_copying(tmp_path
     (out / "notes.txt").write_text("mine")
     inode = (out / "model.safetensors").stat().st_ino
     write(out, {"README.md": "new card"}, carry_from=out)  # no --overwrite needed: the folder is the input
-    assert tree(out) == {"model.safetensors": b"weights", "README.md": b"new card", "notes.txt": b"mine",
-                         MANIFEST: (out / MANIFEST).read_bytes()}
+    assert tree(out) == {
+        "model.safetensors": b"weights",
+        "README.md": b"new card",
+        "notes.txt": b"mine",
+        MANIFEST: (out / MANIFEST).read_bytes(),
+    }
     assert (out / "model.safetensors").stat().st_ino == inode, "a carried file is a hard link, not a copy"
     assert set(json.loads((out / MANIFEST).read_text())["entries"]) == {"README.md", "model.safetensors"}
 

@@ -2,9 +2,9 @@
 them."""
 
 import torch
+from conftest import padded_batch
 
 import ee_transformers as eet
-from conftest import padded_batch
 from ee_transformers.tools import bench
 from ee_transformers.tools.quality import full_model_view, identical_share, perplexity
 
@@ -40,8 +40,9 @@ def test_bench_reports_every_measure(base_dirs):
     off = bench.compare(model, plain, prompts, {"early_exit": False}, config=config, batch_size=2)
     assert off["quality"]["per_token_agreement"] == 1.0 and off["agreement"]["share"] == 1.0
     assert abs(off["quality"]["continuation_ppl"] - off["quality"]["full_depth_ppl"]) < 1e-9
-    on = bench.compare(model, plain, prompts, {"exit_criterion": "max_prob", "exit_threshold": 0.0}, config=config,
-                       batch_size=2)
+    on = bench.compare(
+        model, plain, prompts, {"exit_criterion": "max_prob", "exit_threshold": 0.0}, config=config, batch_size=2
+    )
     assert 0.0 <= on["quality"]["per_token_agreement"] <= 1.0 and on["exits"]["mean_exit_layer"] == 0
 
 

@@ -32,16 +32,24 @@ def block(payload, claimed=None):
 
 
 def real_serializations():
-    return {"index": gzip.decompress((DATA / "Rdata.rdx").read_bytes()),
-            "names": gzip.decompress((DATA / "Rdata.rds").read_bytes()),
-            "emma": (DATA / "emma-first-60-lines.rds").read_bytes()}
+    return {
+        "index": gzip.decompress((DATA / "Rdata.rdx").read_bytes()),
+        "names": gzip.decompress((DATA / "Rdata.rds").read_bytes()),
+        "emma": (DATA / "emma-first-60-lines.rds").read_bytes(),
+    }
 
 
 def test_the_real_serializations_parse():
     data = real_serializations()
     assert rds.unserialize(data["emma"])[:3] == ["EMMA", "", "By Jane Austen"]
-    assert [v[0] for v in rds.unserialize(data["names"])] == ["emma", "mansfieldpark", "northangerabbey",
-                                                                "persuasion", "prideprejudice", "sensesensibility"]
+    assert [v[0] for v in rds.unserialize(data["names"])] == [
+        "emma",
+        "mansfieldpark",
+        "northangerabbey",
+        "persuasion",
+        "prideprejudice",
+        "sensesensibility",
+    ]
     index = rds.read_rdx((DATA / "Rdata.rdx").read_bytes())
     assert index["emma"] == (0, 352043) and index["sensesensibility"] == (1334779, 266556)
 
@@ -54,20 +62,33 @@ def quick(call, *args):
         assert time.perf_counter() - start < 0.5, "the reader must give up at once on bad input"
 
 
-@pytest.mark.parametrize("name, payload", [
-    # a CHARSXP of length -8 used to move the cursor back 8 bytes, re-reading itself forever
-    ("negative length (the 26-byte hang)", HEADER_V2 + ints(16, 1, 9, -8)),
-    ("negative vector length", HEADER_V2 + ints(13, -5)),
-    ("length beyond the data", HEADER_V2 + ints(14, 2**31 - 1)),
-    ("long-vector length beyond the data", HEADER_V2 + ints(16, -1, 1, 0)),
-    ("negative encoding length", b"X\n" + ints(3, 0, 0, -3)),
-    ("compact sequence of 10^12 elements", HEADER_V3 + ints(238) + ints(2, 1) + ints(16, 1, 9, 14)
-     + b"compact_intseq" + ints(254) + ints(14, 3) + struct.pack(">3d", 1e12, 1, 1) + ints(254, 254)),
-    ("reference to an object never seen", HEADER_V2 + ints(255 | (7 << 8))),
-    ("nesting 100,000 deep", HEADER_V2 + ints(19, 1) * 100_000 + ints(254)),
-    ("truncated header", b"X\n\x00\x00"),
-    ("not XDR", b"A\n3\n"),
-])
+@pytest.mark.parametrize(
+    "name, payload",
+    [
+        # a CHARSXP of length -8 used to move the cursor back 8 bytes, re-reading itself forever
+        ("negative length (the 26-byte hang)", HEADER_V2 + ints(16, 1, 9, -8)),
+        ("negative vector length", HEADER_V2 + ints(13, -5)),
+        ("length beyond the data", HEADER_V2 + ints(14, 2**31 - 1)),
+        ("long-vector length beyond the data", HEADER_V2 + ints(16, -1, 1, 0)),
+        ("negative encoding length", b"X\n" + ints(3, 0, 0, -3)),
+        (
+            "compact sequence of 10^12 elements",
+            HEADER_V3
+            + ints(238)
+            + ints(2, 1)
+            + ints(16, 1, 9, 14)
+            + b"compact_intseq"
+            + ints(254)
+            + ints(14, 3)
+            + struct.pack(">3d", 1e12, 1, 1)
+            + ints(254, 254),
+        ),
+        ("reference to an object never seen", HEADER_V2 + ints(255 | (7 << 8))),
+        ("nesting 100,000 deep", HEADER_V2 + ints(19, 1) * 100_000 + ints(254)),
+        ("truncated header", b"X\n\x00\x00"),
+        ("not XDR", b"A\n3\n"),
+    ],
+)
 def test_each_attack_is_a_quick_rdata_error(name, payload):
     with pytest.raises(RDataError):
         quick(rds.unserialize, payload)
@@ -87,7 +108,7 @@ def test_a_zlib_bomb_is_refused_before_and_while_inflating():
 
 def test_corrupt_and_truncated_compression_is_an_rdata_error():
     good = block(real_serializations()["emma"])
-    for bad in (good[:4] + b"garbage" + good[11:], good[:len(good) // 2], good[:3]):
+    for bad in (good[:4] + b"garbage" + good[11:], good[: len(good) // 2], good[:3]):
         with pytest.raises(RDataError):
             quick(rds.parse_rdb_strings, bad)
         with pytest.raises(RDataError):
@@ -99,18 +120,18 @@ def mutations(data: bytes, rng: random.Random):
     data = bytearray(data)
     kind = rng.randrange(5)
     if kind == 0:
-        return bytes(data[:rng.randrange(len(data))])
+        return bytes(data[: rng.randrange(len(data))])
     for _ in range(rng.randint(1, 4)):
         at = rng.randrange(len(data))
         if kind == 1:
             data[at] = rng.randrange(256)
         elif kind == 2:
-            value = rng.choice([-1, -2, -(2**31), 2**31 - 1, 0, 1, 255, 238, 19, 16, 9, rng.randrange(-2**31, 2**31)])
-            data[at:at + 4] = struct.pack(">i", value)
+            value = rng.choice([-1, -2, -(2**31), 2**31 - 1, 0, 1, 255, 238, 19, 16, 9, rng.randrange(-(2**31), 2**31)])
+            data[at : at + 4] = struct.pack(">i", value)
         elif kind == 3:
-            del data[at:at + rng.randint(1, 16)]
+            del data[at : at + rng.randint(1, 16)]
         else:
-            span = bytes(data[at:at + rng.randint(1, 64)])
+            span = bytes(data[at : at + rng.randint(1, 64)])
             data[at:at] = span * rng.randint(1, 50)
     return bytes(data)
 

@@ -25,7 +25,7 @@ def _blocks(tokenizer, path, region, count, block_size=128):
 
     text = Path(path).read_text(encoding="utf-8")
     start = int(region * len(text))
-    return tokenize_blocks([text[start:start + 40 * block_size * count]], tokenizer, block_size)[:count]
+    return tokenize_blocks([text[start : start + 40 * block_size * count]], tokenizer, block_size)[:count]
 
 
 def test_fit_calibrate_and_skip_layers_on_held_out_text(smollm2):
@@ -40,25 +40,41 @@ def test_fit_calibrate_and_skip_layers_on_held_out_text(smollm2):
     novels = {Path(p).stem: p for p in text["austen"]}
     train = _blocks(tokenizer, novels["emma"], 0.1, 16)
     heldout = _blocks(tokenizer, novels["persuasion"], 0.5, 4)
-    result = fit_exit_heads(model, train, heldout, FitConfig(steps=8, batch_size=2, lr=1e-3, warmup_steps=1,
-                                                             positions_per_block=32, eval_blocks=4, progress=False))
+    result = fit_exit_heads(
+        model,
+        train,
+        heldout,
+        FitConfig(
+            steps=8, batch_size=2, lr=1e-3, warmup_steps=1, positions_per_block=32, eval_blocks=4, progress=False
+        ),
+    )
     assert result.agreement_after[-1] > 0.3  # exit 26 already agrees with the final layer on a third of tokens
 
     # calibrate on one held-out novel; cheap pinned costs keep the test about mechanics, not this machine's speed
     calibration = _blocks(tokenizer, novels[assets.AUSTEN_HELDOUT], 0.0, 12)
-    report = calibrate(model, calibration, CalibrationConfig(target_agreement=0.9, policy="row"),
-                       costs={"head_cost": 0.5, "check_cost": 0.0, "backfill_cost": 0.05})
+    report = calibrate(
+        model,
+        calibration,
+        CalibrationConfig(target_agreement=0.9, policy="row"),
+        costs={"head_cost": 0.5, "check_cost": 0.0, "backfill_cost": 0.05},
+    )
     assert report["chosen"], report["message"]
     assert report["heldout_B"]["agreement"] >= 0.8
     apply_calibration(model, report)
 
     prompts = _blocks(tokenizer, novels[assets.AUSTEN_HELDOUT], 0.7, 4, block_size=48)
-    out = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=24, min_new_tokens=24, do_sample=False,
-                         return_dict_in_generate=True)  # the calibrated settings (row policy), from the config
+    out = model.generate(
+        prompts,
+        attention_mask=torch.ones_like(prompts),
+        max_new_tokens=24,
+        min_new_tokens=24,
+        do_sample=False,
+        return_dict_in_generate=True,
+    )  # the calibrated settings (row policy), from the config
     stats = ExitStats.from_generate(out, model)
     assert stats.mean_exit_layer < model.config.num_hidden_layers - 1, str(stats)
     # quality: each early-exit token against the full-depth argmax on the same prefix (teacher-forced)
     with torch.no_grad():
-        full = model(out.sequences[:, :-1]).logits[:, prompts.shape[1] - 1:].argmax(-1)
-    agreement = (full == out.sequences[:, prompts.shape[1]:]).double().mean().item()
+        full = model(out.sequences[:, :-1]).logits[:, prompts.shape[1] - 1 :].argmax(-1)
+    agreement = (full == out.sequences[:, prompts.shape[1] :]).double().mean().item()
     assert agreement >= 0.75, f"agreement {agreement:.3f} with full depth; {stats}"

@@ -2,23 +2,30 @@
 
 import pytest
 import torch
+from conftest import make_base, padded_batch
+from test_generate import Collect, ee_model
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 import ee_transformers as eet
 import ee_transformers.speculative_early_exit as spec
-from conftest import make_base, padded_batch
 from ee_transformers.tools import bench_speculative
 from ee_transformers.tools.bench import plain_twin, random_prompts
 from ee_transformers.tools.bench_speculative import pass_through_above  # a copy: layers above E add nothing
-from test_generate import Collect, ee_model
 
 LAYERS = 4  # tiny models: 4 decoder layers, exits after 0, 1, 2
 NEVER_STOP = dict(assistant_confidence_threshold=0.0)  # draft all K tokens every round
 
 
 def speculative(model, ids, mask=None, drafters=2, k=3, **kwargs):
-    return model.generate(ids, attention_mask=mask, do_sample=False, assistant_early_exit=drafters,
-                          num_assistant_tokens=k, return_dict_in_generate=True, **kwargs)
+    return model.generate(
+        ids,
+        attention_mask=mask,
+        do_sample=False,
+        assistant_early_exit=drafters,
+        num_assistant_tokens=k,
+        return_dict_in_generate=True,
+        **kwargs,
+    )
 
 
 class PositionCounter:
@@ -27,14 +34,16 @@ class PositionCounter:
     def __init__(self, model):
         layers = model.family.layers(model)
         self.calls, self.positions = [0] * len(layers), [0] * len(layers)
-        self.handles = [layer.register_forward_pre_hook(self._hook(j), with_kwargs=True)
-                        for j, layer in enumerate(layers)]
+        self.handles = [
+            layer.register_forward_pre_hook(self._hook(j), with_kwargs=True) for j, layer in enumerate(layers)
+        ]
 
     def _hook(self, j):
         def hook(module, args, kwargs):
             hidden = args[0] if args else kwargs["hidden_states"]
             self.calls[j] += 1
             self.positions[j] += hidden.shape[0] * hidden.shape[1]
+
         return hook
 
     def remove(self):
@@ -43,6 +52,7 @@ class PositionCounter:
 
 
 # --- greedy: identical to full depth ----------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("cache_implementation", [None, "static"])
 def test_greedy_equals_full_depth_greedy(base_dirs, family, cache_implementation):
@@ -57,8 +67,12 @@ def test_greedy_equals_full_depth_greedy(base_dirs, family, cache_implementation
             speculative(model, ids, mask, 2, 2, **kwargs)
         return
     expected = base.generate(ids, attention_mask=mask, do_sample=False, **kwargs)
-    for drafters, k, extra in [(1, 3, NEVER_STOP), (3, 4, NEVER_STOP), (2, 2, {}),  # {}: transformers' default 0.4
-                               (2, 1, dict(num_assistant_tokens_schedule="heuristic", **NEVER_STOP))]:
+    for drafters, k, extra in [
+        (1, 3, NEVER_STOP),
+        (3, 4, NEVER_STOP),
+        (2, 2, {}),  # {}: transformers' default 0.4
+        (2, 1, dict(num_assistant_tokens_schedule="heuristic", **NEVER_STOP)),
+    ]:
         out = speculative(model, ids, mask, drafters, k, **kwargs, **extra)
         assert torch.equal(out.sequences, expected), (drafters, k, extra)
         decided = out.exit_layers[out.exit_layers >= 0]  # -1: after the row's EOS (a tiny model may draw it)
@@ -86,7 +100,7 @@ def test_ragged_rows_equal_their_prompts_alone_with_eos_and_stopping_criteria(ba
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for r, p in enumerate(prompts):  # left padding
-        ids[r, width - len(p):], mask[r, width - len(p):] = torch.tensor(p), 1
+        ids[r, width - len(p) :], mask[r, width - len(p) :] = torch.tensor(p), 1
     free = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16)
     eos = int(free[2, width + 3])  # row 2's fourth token ends it (and any other row that reaches that token)
     stop_token = int(free[0, width + 6])
@@ -95,16 +109,17 @@ def test_ragged_rows_equal_their_prompts_alone_with_eos_and_stopping_criteria(ba
         def __call__(self, input_ids, scores, **kwargs):
             return input_ids[:, -1] == stop_token
 
-    kwargs = dict(max_new_tokens=16, eos_token_id=eos, pad_token_id=0,
-                  stopping_criteria=StoppingCriteriaList([StopAfter()]))
+    kwargs = dict(
+        max_new_tokens=16, eos_token_id=eos, pad_token_id=0, stopping_criteria=StoppingCriteriaList([StopAfter()])
+    )
     plain = model.generate(ids, attention_mask=mask, do_sample=False, early_exit=False, **kwargs)
     out = speculative(model, ids, mask, 1, 4, **kwargs, **NEVER_STOP)
     assert torch.equal(out.sequences, plain)
     for r, p in enumerate(prompts):  # each row, its prompt alone, unpadded
-        alone = speculative(model, torch.tensor([p]), None, 1, 4, **kwargs, **NEVER_STOP).sequences[0, len(p):]
+        alone = speculative(model, torch.tensor([p]), None, 1, 4, **kwargs, **NEVER_STOP).sequences[0, len(p) :]
         row = out.sequences[r, width:]
         assert torch.equal(row[: alone.numel()], alone), r
-        assert (row[alone.numel():] == 0).all()  # padding after the row's own end
+        assert (row[alone.numel() :] == 0).all()  # padding after the row's own end
     assert out.accepted_tokens.unique().numel() > 1  # ragged: rows accepted different numbers of drafts
     ends = (out.exit_layers >= 0).sum(-1)
     assert ends[2] <= 4 < ends.max()  # EOS ended row 2 by its fourth token, others went on
@@ -117,8 +132,9 @@ def test_gaps_in_the_cache_are_compacted_away_exactly(base_dirs, monkeypatch, ca
     model = ee_model(base_dirs, "llama")
     compactions = []
     real = spec.RaggedBatch.compact
-    monkeypatch.setattr(spec.RaggedBatch, "compact",
-                        lambda self, *args: (compactions.append(self.slots.shape[1]), real(self, *args))[1])
+    monkeypatch.setattr(
+        spec.RaggedBatch, "compact", lambda self, *args: (compactions.append(self.slots.shape[1]), real(self, *args))[1]
+    )
     ids, mask = padded_batch(batch=4, length=6)
     kwargs = dict(max_new_tokens=40, cache_implementation=cache_implementation)
     out = speculative(model, ids, mask, 2, 4, **kwargs, **NEVER_STOP)
@@ -127,6 +143,7 @@ def test_gaps_in_the_cache_are_compacted_away_exactly(base_dirs, monkeypatch, ca
 
 
 # --- what runs where ----------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("batch", [1, 3])
 def test_shallow_layers_run_once_per_token_and_deep_layers_only_in_verification(base_dirs, batch):
@@ -141,7 +158,7 @@ def test_shallow_layers_run_once_per_token_and_deep_layers_only_in_verification(
     for j in range(LAYERS):
         assert counter.positions[j] == batch * (prompt + fed)  # every fed token once, in every layer
     assert counter.calls[: exit_layer + 1] == [1 + fed] * (exit_layer + 1)  # prefill + one call per fed token
-    assert counter.calls[exit_layer + 1:] == [1 + rounds] * (LAYERS - exit_layer - 1)  # prefill + one per round
+    assert counter.calls[exit_layer + 1 :] == [1 + rounds] * (LAYERS - exit_layer - 1)  # prefill + one per round
     if batch == 1:  # fed = the tokens committed after the first (all but the last) + the rejected drafts
         new = out.sequences.shape[1] - prompt
         rejected = int(out.draft_tokens - out.accepted_tokens)
@@ -154,19 +171,27 @@ def test_forced_full_acceptance_accepts_every_draft(base_dirs, cache_implementat
     model = pass_through_above(ee_model(base_dirs, "mistral"), exit_layer=1)
     ids, mask = padded_batch(batch=3)
     counter = PositionCounter(model)
-    out = speculative(model, ids, mask, drafters=2, k=3, max_new_tokens=13, cache_implementation=cache_implementation,
-                      **NEVER_STOP)
+    out = speculative(
+        model, ids, mask, drafters=2, k=3, max_new_tokens=13, cache_implementation=cache_implementation, **NEVER_STOP
+    )
     counter.remove()
     assert torch.equal(out.accepted_tokens, out.draft_tokens)
     assert out.acceptance_rate.tolist() == [1.0] * 3
     assert out.draft_lengths.tolist() == [3, 3, 3]  # 1 + 3 rounds x 4 tokens = 13
     assert counter.calls[2:] == [1 + 3, 1 + 3]
-    plain = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=13, early_exit=False,
-                           cache_implementation=cache_implementation)
+    plain = model.generate(
+        ids,
+        attention_mask=mask,
+        do_sample=False,
+        max_new_tokens=13,
+        early_exit=False,
+        cache_implementation=cache_implementation,
+    )
     assert torch.equal(out.sequences, plain)
 
 
 # --- sampling: the full model's distribution -------------------------------------------------------------------------
+
 
 def _chi_square_p(a, b, min_count=10):
     """p-value of a two-sample chi-square test that category samples `a` and `b` come from one distribution (cells
@@ -198,13 +223,14 @@ def test_sampling_follows_the_full_models_distribution(tmp_path, monkeypatch):
     kwargs = dict(max_new_tokens=3, do_sample=True, temperature=0.9, top_k=6, pad_token_id=0)
 
     def pairs(out):  # tokens 2 and 3 come from drafts, rejections and bonus tokens; token 1 from the prefill
-        new = out[:, ids.shape[1]:]
+        new = out[:, ids.shape[1] :]
         return new[:, 1] * vocab + new[:, 2]
 
     torch.manual_seed(0)
     plain = pairs(model.generate(ids, **kwargs))
-    out = model.generate(ids, assistant_early_exit=1, num_assistant_tokens=2, return_dict_in_generate=True,
-                         **NEVER_STOP, **kwargs)
+    out = model.generate(
+        ids, assistant_early_exit=1, num_assistant_tokens=2, return_dict_in_generate=True, **NEVER_STOP, **kwargs
+    )
     rate = float(out.acceptance_rate.mean())
     assert 0.2 < rate < 0.95, rate  # drafts are often, not always, rejected: the rule is exercised
     assert _chi_square_p(plain, pairs(out.sequences)) > 1e-3
@@ -222,6 +248,7 @@ def test_sampling_follows_the_full_models_distribution(tmp_path, monkeypatch):
 
 
 # --- adaptive draft length -------------------------------------------------------------------------------------------
+
 
 def test_confidence_threshold_and_learned_head_stop_drafting(base_dirs):
     model = pass_through_above(ee_model(base_dirs, "llama"), exit_layer=2)
@@ -241,29 +268,40 @@ def test_confidence_threshold_and_learned_head_stop_drafting(base_dirs):
 def test_heuristic_schedule_grows_with_acceptance_and_shrinks_without(base_dirs):
     model = pass_through_above(ee_model(base_dirs, "llama"), exit_layer=1)
     ids, mask = padded_batch(batch=2)
-    out = speculative(model, ids, mask, drafters=2, k=1, max_new_tokens=15, num_assistant_tokens_schedule="heuristic",
-                      **NEVER_STOP)
+    out = speculative(
+        model, ids, mask, drafters=2, k=1, max_new_tokens=15, num_assistant_tokens_schedule="heuristic", **NEVER_STOP
+    )
     assert out.draft_lengths.tolist() == [1, 3, 5, 1]  # every draft accepted: K grows by 2; the last round is cut to
     # the 2 tokens left (1 + 2 + 4 + 6 + 2 = 15)
     with torch.no_grad():  # a draft head that is always wrong: its logits negated
         model.exit_heads[1].norm.weight.neg_()
-    out = speculative(model, ids, mask, drafters=2, k=4, max_new_tokens=8, num_assistant_tokens_schedule="heuristic",
-                      **NEVER_STOP)
+    out = speculative(
+        model, ids, mask, drafters=2, k=4, max_new_tokens=8, num_assistant_tokens_schedule="heuristic", **NEVER_STOP
+    )
     assert out.draft_lengths.tolist()[:4] == [4, 3, 2, 1]
     assert int(out.accepted_tokens.sum()) == 0
 
 
 # --- outputs and stats -------------------------------------------------------------------------------------------------
 
+
 def test_scores_logits_streamer_and_stats(base_dirs):
     folder, base = base_dirs["llama"]
     model = ee_model(base_dirs, "llama")
     ids, mask = padded_batch(batch=2)
-    kwargs = dict(max_new_tokens=9, output_scores=True, output_logits=True, return_dict_in_generate=True,
-                  repetition_penalty=1.3)
+    kwargs = dict(
+        max_new_tokens=9, output_scores=True, output_logits=True, return_dict_in_generate=True, repetition_penalty=1.3
+    )
     plain = base.generate(ids, attention_mask=mask, do_sample=False, **kwargs)
-    out = model.generate(ids, attention_mask=mask, do_sample=False, assistant_early_exit=1, num_assistant_tokens=3,
-                         **kwargs, **NEVER_STOP)
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        do_sample=False,
+        assistant_early_exit=1,
+        num_assistant_tokens=3,
+        **kwargs,
+        **NEVER_STOP,
+    )
     assert torch.equal(out.sequences, plain.sequences)
     assert len(out.scores) == len(plain.scores) == len(out.logits) == 9
     for ours, theirs in zip(out.scores + out.logits, plain.scores + plain.logits):
@@ -274,14 +312,23 @@ def test_scores_logits_streamer_and_stats(base_dirs):
     assert stats.acceptance_rate == pytest.approx(stats.accepted_tokens / stats.draft_tokens)
     assert stats.mean_accepted_length == pytest.approx(stats.accepted_tokens / stats.verify_rounds)
     assert "drafts accepted" in str(stats) and stats.mean_exit_layer == LAYERS - 1
-    full_depth = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=3, return_dict_in_generate=True)
+    full_depth = model.generate(
+        ids, attention_mask=mask, do_sample=False, max_new_tokens=3, return_dict_in_generate=True
+    )
     assert "drafts accepted" not in str(eet.ExitStats.from_generate(full_depth, model))
 
     streamer = Collect()
-    single = model.generate(ids[1:], max_new_tokens=9, do_sample=False, assistant_early_exit=1, num_assistant_tokens=3,
-                            streamer=streamer, **NEVER_STOP)
+    single = model.generate(
+        ids[1:],
+        max_new_tokens=9,
+        do_sample=False,
+        assistant_early_exit=1,
+        num_assistant_tokens=3,
+        streamer=streamer,
+        **NEVER_STOP,
+    )
     assert streamer.ended and torch.equal(streamer.chunks[0].flatten(), ids[1])
-    assert torch.cat([c.flatten() for c in streamer.chunks[1:]]).tolist() == single[0, ids.shape[1]:].tolist()
+    assert torch.cat([c.flatten() for c in streamer.chunks[1:]]).tolist() == single[0, ids.shape[1] :].tolist()
 
 
 def test_stored_defaults_and_their_round_trip(base_dirs, tmp_path):
@@ -299,8 +346,14 @@ def test_stored_defaults_and_their_round_trip(base_dirs, tmp_path):
     assert isinstance(out, spec.GenerateSpeculativeOutput) and out.draft_lengths.max() == 3
     assert torch.equal(out.sequences, expected)
     # an explicit None turns the stored mode off (transformers' meaning of a None kwarg)
-    off = loaded.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=8, assistant_early_exit=None,
-                          return_dict_in_generate=True)
+    off = loaded.generate(
+        ids,
+        attention_mask=mask,
+        do_sample=False,
+        max_new_tokens=8,
+        assistant_early_exit=None,
+        return_dict_in_generate=True,
+    )
     assert not isinstance(off, spec.GenerateSpeculativeOutput) and torch.equal(off.sequences, expected)
     # stored confident-exit defaults do not mix in: the speculative output stays exact
     loaded.set_exit_defaults(exit_criterion="max_prob", exit_threshold=0.0)
@@ -309,6 +362,7 @@ def test_stored_defaults_and_their_round_trip(base_dirs, tmp_path):
 
 
 # --- bad input ---------------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize(
     "kwargs, match",
@@ -352,9 +406,14 @@ def test_sliding_window_attention_inside_the_window(tmp_path, cache_implementati
 
 # --- the benchmark ---------------------------------------------------------------------------------------------------
 
+
 def test_cost_model_of_a_round():
-    costs = {"layer": {1: 1.0, 2: 1.5, 3: 2.0}, "final_head": {1: 3.0, 2: 3.5, 3: 4.0}, "draft_head": 3.0,
-             "prefill": 10.0}
+    costs = {
+        "layer": {1: 1.0, 2: 1.5, 3: 2.0},
+        "final_head": {1: 3.0, 2: 3.5, 3: 4.0},
+        "draft_head": 3.0,
+        "prefill": 10.0,
+    }
     # plain: the prefill, then L layer steps and the final head for each of the 6 tokens after the first
     assert bench_speculative.ideal_ms(costs, num_layers=4, new_tokens=7) == 10 + 6 * (4 * 1.0 + 3.0)
     # a round of k = 2 drafts at E = 1: 3 fed tokens x 2 layers, 2 draft heads, 2 layers and the head at 3 positions
@@ -364,13 +423,29 @@ def test_cost_model_of_a_round():
 
 def test_benchmark_runs_side_by_side_and_reports(base_dirs):
     model = ee_model(base_dirs, "llama")
-    report = bench_speculative.run_benchmark(model, plain_twin(model), random_prompts(99, 2, 8), batch_sizes=[1, 2],
-                                             exit_layers=[1], ks=[2], new_tokens=6, forced_rates=[1.0, 0.5],
-                                             cost_repeats=2, log=lambda m: None)
+    report = bench_speculative.run_benchmark(
+        model,
+        plain_twin(model),
+        random_prompts(99, 2, 8),
+        batch_sizes=[1, 2],
+        exit_layers=[1],
+        ks=[2],
+        new_tokens=6,
+        forced_rates=[1.0, 0.5],
+        cost_repeats=2,
+        log=lambda m: None,
+    )
     rows = {(r["batch"], r["mode"], r["profile"]): r for r in report["results"]}
-    assert set(rows) == {(1, "ours", "heads"), (1, "transformers", "heads"), (1, "ours", "forced 1"),
-                         (1, "transformers", "forced 1"), (1, "ours", "forced 0.5"), (2, "ours", "heads"),
-                         (2, "ours", "forced 1"), (2, "ours", "forced 0.5")}
+    assert set(rows) == {
+        (1, "ours", "heads"),
+        (1, "transformers", "heads"),
+        (1, "ours", "forced 1"),
+        (1, "transformers", "forced 1"),
+        (1, "ours", "forced 0.5"),
+        (2, "ours", "heads"),
+        (2, "ours", "forced 1"),
+        (2, "ours", "forced 0.5"),
+    }
     assert all(r["identical"] for r in report["results"])
     assert rows[(2, "ours", "forced 1")]["acceptance"] == 1.0 and rows[(1, "ours", "forced 0.5")]["acceptance"] < 1
     assert all(r["ideal_speedup"] > 0 for r in report["results"] if r["mode"] == "ours")

@@ -9,7 +9,14 @@ import torch
 
 import ee_transformers as eet
 from ee_transformers.training.checkpoint import list_checkpoints
-from ee_transformers.training.data import check_block_size, load_blocks, pack_token_ids, read_texts, split_blocks, tokenize_blocks
+from ee_transformers.training.data import (
+    check_block_size,
+    load_blocks,
+    pack_token_ids,
+    read_texts,
+    split_blocks,
+    tokenize_blocks,
+)
 from ee_transformers.training.fit_exit_heads import FitConfig, evaluate_exits, fit_exit_heads, main, save_model_folder
 from ee_transformers.training.tiny import save_tiny_base, tiny_texts, tiny_tokenizer, write_texts
 
@@ -44,13 +51,16 @@ def test_read_texts_txt_and_jsonl(tmp_path):
     assert texts == ["w1 w2 w3", "w4 w5", "w6"]
 
 
-@pytest.mark.parametrize("setup, message", [
-    (lambda d: None, "matches no file"),
-    (lambda d: (d / "x.txt").write_text("   \n"), "every file is empty"),
-    (lambda d: (d / "x.txt").write_bytes(b"\xff\xfe\x00\x81binary"), "not UTF-8"),
-    (lambda d: (d / "x.jsonl").write_text('{"body": "w1"}\n'), "no string field `text`"),
-    (lambda d: (d / "x.jsonl").write_text('{"text": "w1"\n'), "not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "setup, message",
+    [
+        (lambda d: None, "matches no file"),
+        (lambda d: (d / "x.txt").write_text("   \n"), "every file is empty"),
+        (lambda d: (d / "x.txt").write_bytes(b"\xff\xfe\x00\x81binary"), "not UTF-8"),
+        (lambda d: (d / "x.jsonl").write_text('{"body": "w1"}\n'), "no string field `text`"),
+        (lambda d: (d / "x.jsonl").write_text('{"text": "w1"\n'), "not valid JSON"),
+    ],
+)
 def test_read_texts_errors_name_the_problem(tmp_path, setup, message):
     setup(tmp_path)
     with pytest.raises(ValueError, match=message):
@@ -96,8 +106,9 @@ def test_frozen_backbone_is_bit_identical_and_heads_learn(tiny):
     changed = [k for k, v in backbone.items() if not torch.equal(v, after[k])]
     assert not changed, f"the frozen backbone changed: {changed}"
     assert all(not torch.equal(v, after[k]) for k, v in heads.items()), "every exit-head tensor should have trained"
-    assert result.kl_after[1] < result.kl_before[1], f"distillation should lower the KL: {result.kl_before} -> " \
-                                                     f"{result.kl_after}"
+    assert result.kl_after[1] < result.kl_before[1], (
+        f"distillation should lower the KL: {result.kl_before} -> {result.kl_after}"
+    )
     assert len(result.history) == 12 and len(result.history[-1]["agreement"]) == 2
 
 
@@ -127,8 +138,9 @@ def test_evaluate_exits_matches_exit_logits(tiny):
 def test_resume_equals_uninterrupted(tiny, tmp_path, lora):
     base, _, train, heldout = tiny
     extra = dict(lora_rank=lora, lora_lr=1e-2, layer_dropout=0.3) if lora else {}
-    config = FitConfig(steps=6, batch_size=2, grad_accum=2, lr=1e-2, warmup_steps=2, checkpoint_every=3, **extra,
-                       **QUIET)
+    config = FitConfig(
+        steps=6, batch_size=2, grad_accum=2, lr=1e-2, warmup_steps=2, checkpoint_every=3, **extra, **QUIET
+    )
     full = fit_exit_heads(load(base), train, heldout, config, checkpoint_dir=tmp_path / "a").model
 
     class Killed(Exception):
@@ -148,8 +160,11 @@ def test_resume_equals_uninterrupted(tiny, tmp_path, lora):
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a), "a resumed run must end with exactly the uninterrupted weights"
     if lora:
-        assert any(not torch.equal(v, eet.from_base(base).state_dict()[k]) for k, v in b.items()
-                   if k.startswith("model.layers.")), "LoRA should have moved the merged backbone"
+        assert any(
+            not torch.equal(v, eet.from_base(base).state_dict()[k])
+            for k, v in b.items()
+            if k.startswith("model.layers.")
+        ), "LoRA should have moved the merged backbone"
     assert len(result.history) == 6
     files = sorted(os.listdir(list_checkpoints(tmp_path / "b")[-1]))
     assert files == ["optimizer.safetensors", "rng.safetensors", "state.json", "trainable.safetensors"]
@@ -181,8 +196,9 @@ def test_lora_fit_merge_save_reload_generate(tiny, tmp_path):
     a = merged.generate(prompt, max_new_tokens=5, do_sample=False, early_exit=False)
     b = reloaded.generate(prompt, max_new_tokens=5, do_sample=False, early_exit=False)
     assert torch.equal(a, b), "the saved LoRA-merged model must generate exactly like the in-memory one"
-    ee_out = reloaded.generate(prompt, max_new_tokens=5, exit_criterion="max_prob", exit_threshold=0.0,
-                               return_dict_in_generate=True)
+    ee_out = reloaded.generate(
+        prompt, max_new_tokens=5, exit_criterion="max_prob", exit_threshold=0.0, return_dict_in_generate=True
+    )
     assert ee_out.exit_layers.min().item() == 1, "threshold 0 exits every token at the first exit"
 
 
@@ -193,15 +209,34 @@ def test_confidence_heads_stage(tiny):
     assert model.config.exit_confidence_heads and model.confidence_heads is not None
     assert any(float(h.proj.weight.abs().sum()) > 0 for h in model.confidence_heads), "confidence heads untrained"
     assert len(result.confidence["accuracy"]) == 2
-    out = model.generate(heldout[:1, :6], max_new_tokens=4, exit_criterion="learned", exit_threshold=0.0,
-                         return_dict_in_generate=True)
+    out = model.generate(
+        heldout[:1, :6], max_new_tokens=4, exit_criterion="learned", exit_threshold=0.0, return_dict_in_generate=True
+    )
     assert out.exit_layers.min().item() == 1
 
 
 # ----------------------------------------------------------------------------------------------------------- cli
 def fit_args(base, files, out, *extra):
-    return ["--model", base, "--exit-layers", "1,2", "--exit-adapter-rank", "8", "--data", *files,
-            "--block-size", "32", "--steps", "3", "--batch-size", "2", "--no-progress", "--out", str(out), *extra]
+    return [
+        "--model",
+        base,
+        "--exit-layers",
+        "1,2",
+        "--exit-adapter-rank",
+        "8",
+        "--data",
+        *files,
+        "--block-size",
+        "32",
+        "--steps",
+        "3",
+        "--batch-size",
+        "2",
+        "--no-progress",
+        "--out",
+        str(out),
+        *extra,
+    ]
 
 
 def test_cli_fit_writes_hub_ready_folder(tiny, tmp_path):
@@ -209,8 +244,14 @@ def test_cli_fit_writes_hub_ready_folder(tiny, tmp_path):
     out = tmp_path / "my-ee"
     assert main(fit_args(base, files, out, "--checkpoint-every", "2")) == 0
     names = set(os.listdir(out))
-    assert {"config.json", "model.safetensors", "README.md", "fit_report.json", "tokenizer.json",
-            "modeling_early_exit.py"} <= names, names
+    assert {
+        "config.json",
+        "model.safetensors",
+        "README.md",
+        "fit_report.json",
+        "tokenizer.json",
+        "modeling_early_exit.py",
+    } <= names, names
     config = json.loads((out / "config.json").read_text())
     assert config["exit_layers"] == [1, 2] and "AutoModelForCausalLM" in config["auto_map"]
     card = (out / "README.md").read_text()
@@ -224,11 +265,14 @@ def test_cli_fit_writes_hub_ready_folder(tiny, tmp_path):
     assert model.tokenizer is not None
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--block-size", "4096"], "beyond the model's positions"),
-    (["--exit-layers", "1,9"], "out of range"),
-    (["--resume", "nowhere-such"], "no checkpoint"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--block-size", "4096"], "beyond the model's positions"),
+        (["--exit-layers", "1,9"], "out of range"),
+        (["--resume", "nowhere-such"], "no checkpoint"),
+    ],
+)
 def test_cli_fit_bad_input_fails_before_work(tiny, tmp_path, capsys, extra, message):
     base, files, _, _ = tiny
     out = tmp_path / "never"
@@ -253,8 +297,19 @@ def test_cli_resume_with_other_exit_layers(tiny, tmp_path, capsys):
     out = tmp_path / "run"
     main(fit_args(base, files, out, "--checkpoint-every", "1"))
     with pytest.raises(SystemExit):
-        main(fit_args(base, files, tmp_path / "run2", "--checkpoint-dir", str(out) + ".checkpoints",
-                      "--resume", "auto", "--exit-layers", "0,2"))
+        main(
+            fit_args(
+                base,
+                files,
+                tmp_path / "run2",
+                "--checkpoint-dir",
+                str(out) + ".checkpoints",
+                "--resume",
+                "auto",
+                "--exit-layers",
+                "0,2",
+            )
+        )
     assert "disagree with the checkpoint" in capsys.readouterr().err
 
 
@@ -265,8 +320,9 @@ def test_cli_fit_4bit_qwen3_lora_kept(tmp_path):
     pytest.importorskip("peft")
     # bitsandbytes >= 0.50 packs CPU 4-bit weights in blocks of 64 input features: a real model's widths are
     # multiples of that (outputs too), the tiny defaults are not
-    base = save_tiny_base(tmp_path / "qwen3", family="qwen3", hidden_size=64, intermediate_size=128,
-                          head_dim=16, num_key_value_heads=4)
+    base = save_tiny_base(
+        tmp_path / "qwen3", family="qwen3", hidden_size=64, intermediate_size=128, head_dim=16, num_key_value_heads=4
+    )
     files = write_texts(tmp_path / "text", tiny_texts(n_docs=3), kind="jsonl")
     out = tmp_path / "q"
     assert main(fit_args(base, files, out, "--load-in-4bit", "--lora-rank", "4", "--keep-adapters")) == 0

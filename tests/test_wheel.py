@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 # run by the fresh virtualenv's python, from an empty folder, without PYTHONPATH
-SCRIPT = r'''
+SCRIPT = r"""
 import json, os, sys
 import ee_transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -39,7 +39,7 @@ print(json.dumps({"package": ee_transformers.__file__, "codes": codes,
                   "new_tokens": out.sequences.shape[1] - ids.shape[1],
                   "files": {name: sorted(os.listdir(name)) for name in ("ee", "fitted", "calibrated")},
                   "card": open("calibrated/README.md").read()}))
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -50,11 +50,29 @@ def wheel(tmp_path_factory):
     source.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, source / name)
-    shutil.copytree(ROOT / "ee_transformers", source / "ee_transformers",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
-                    "--disable-pip-version-check", "-q", "-w", str(tmp / "dist"), str(source)],
-                   check=True, capture_output=True, text=True, timeout=120)
+    shutil.copytree(
+        ROOT / "ee_transformers", source / "ee_transformers", ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
+    )
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--disable-pip-version-check",
+            "-q",
+            "-w",
+            str(tmp / "dist"),
+            str(source),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     (found,) = (tmp / "dist").glob("ee_transformers-*.whl")
     return found
 
@@ -65,12 +83,19 @@ def test_wheel_holds_the_package_and_nothing_else(wheel):
     top = {name.split("/")[0] for name in names}
     packages = {name for name in top if not name.endswith(".dist-info")}
     assert packages == {"ee_transformers"}, f"top-level entries besides the metadata: {packages}"
-    sources = {str(p.relative_to(ROOT)).replace(os.sep, "/") for p in (ROOT / "ee_transformers").rglob("*.py")
-               if "__pycache__" not in p.parts}
+    sources = {
+        str(p.relative_to(ROOT)).replace(os.sep, "/")
+        for p in (ROOT / "ee_transformers").rglob("*.py")
+        if "__pycache__" not in p.parts
+    }
     assert sources - names == set(), f"modules missing from the wheel: {sorted(sources - names)}"
-    for required in ("ee_transformers/modeling_early_exit.py", "ee_transformers/tools/bench/run.py",
-                     "ee_transformers/tools/assets/rds.py", "ee_transformers/training/calibrate.py",
-                     "ee_transformers/tools/model_cards/early_exit_model_card.md"):
+    for required in (
+        "ee_transformers/modeling_early_exit.py",
+        "ee_transformers/tools/bench/run.py",
+        "ee_transformers/tools/assets/rds.py",
+        "ee_transformers/training/calibrate.py",
+        "ee_transformers/tools/model_cards/early_exit_model_card.md",
+    ):
         assert required in names, f"{required} is not in the wheel"
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     assert "ee-transformers = ee_transformers.tools.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
@@ -79,15 +104,36 @@ def test_wheel_holds_the_package_and_nothing_else(wheel):
 @pytest.mark.slow
 def test_wheel_installed_in_a_fresh_venv_converts_saves_loads_fits_and_calibrates(wheel, tmp_path):
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True,
-                   timeout=60)
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True, timeout=60
+    )
     python = venv / "bin" / "python"
     # pip of this environment installs into the fresh one (--python): the fresh venv needs no pip of its own
-    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index",
-                    "--disable-pip-version-check", "-q", str(wheel)], check=True, capture_output=True, text=True,
-                   timeout=120)
-    purelib = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                             check=True, capture_output=True, text=True).stdout.strip()
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(python),
+            "install",
+            "--no-deps",
+            "--no-index",
+            "--disable-pip-version-check",
+            "-q",
+            str(wheel),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    purelib = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     # the dependencies (torch, transformers...) come from this environment's site-packages, added after the fresh
     # venv's own: a plain path in a .pth file, so that folder's own .pth files (an editable install of this very
     # checkout) are not run
@@ -96,8 +142,9 @@ def test_wheel_installed_in_a_fresh_venv_converts_saves_loads_fits_and_calibrate
     work.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
     env.update(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    run = subprocess.run([python, "-c", SCRIPT], cwd=work, env=env, stdin=subprocess.DEVNULL, capture_output=True,
-                         text=True, timeout=300)
+    run = subprocess.run(
+        [python, "-c", SCRIPT], cwd=work, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["package"].startswith(purelib), f"imported {result['package']}, not the installed wheel"
@@ -107,6 +154,7 @@ def test_wheel_installed_in_a_fresh_venv_converts_saves_loads_fits_and_calibrate
     for folder, files in result["files"].items():
         assert {"config.json", "model.safetensors", "README.md", "modeling_early_exit.py"} <= set(files), folder
     assert "## Calibration" in result["card"] and "Early-exit" in result["card"]
-    help_ = subprocess.run([venv / "bin" / "ee-transformers", "--help"], cwd=work, env=env, capture_output=True,
-                           text=True, timeout=60)
+    help_ = subprocess.run(
+        [venv / "bin" / "ee-transformers", "--help"], cwd=work, env=env, capture_output=True, text=True, timeout=60
+    )
     assert help_.returncode == 0 and "calibrate" in help_.stdout, "the console script is installed and runs"

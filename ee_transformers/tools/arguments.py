@@ -13,8 +13,16 @@ import dataclasses
 import types
 import typing
 
-__all__ = ["ArgumentParser", "InputError", "add_config_arguments", "check_fields", "comma_list", "config_from_args",
-           "flag_names", "run_command"]
+__all__ = [
+    "ArgumentParser",
+    "InputError",
+    "add_config_arguments",
+    "check_fields",
+    "comma_list",
+    "config_from_args",
+    "flag_names",
+    "run_command",
+]
 
 
 class InputError(ValueError):
@@ -49,8 +57,12 @@ def _describe(kind, meta) -> str:
     noun = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(kind, kind.__name__)
     if "choices" in meta:
         return "one of " + ", ".join(repr(c) for c in meta["choices"])
-    bounds = [f"> {meta['above']}" if "above" in meta else None, f">= {meta['min']}" if "min" in meta else None,
-              f"<= {meta['max']}" if "max" in meta else None, f"< {meta['below']}" if "below" in meta else None]
+    bounds = [
+        f"> {meta['above']}" if "above" in meta else None,
+        f">= {meta['min']}" if "min" in meta else None,
+        f"<= {meta['max']}" if "max" in meta else None,
+        f"< {meta['below']}" if "below" in meta else None,
+    ]
     return " ".join([noun, " and ".join(b for b in bounds if b)]).strip()
 
 
@@ -62,8 +74,12 @@ def _valid(value, kind, meta) -> bool:
             return False
         if value != value:  # NaN passes no bound
             return False
-        return (value > meta["above"] if "above" in meta else True) and value >= meta.get("min", value) \
-            and value <= meta.get("max", value) and (value < meta["below"] if "below" in meta else True)
+        return (
+            (value > meta["above"] if "above" in meta else True)
+            and value >= meta.get("min", value)
+            and value <= meta.get("max", value)
+            and (value < meta["below"] if "below" in meta else True)
+        )
     if kind is str:
         return isinstance(value, str) and ("choices" not in meta or value in meta["choices"])
     return True
@@ -82,8 +98,9 @@ def check_fields(config) -> None:
             continue
         if kind is list:
             if not isinstance(value, (list, tuple)) or not value or not all(_valid(v, element, meta) for v in value):
-                raise ValueError(f"`{f.name}` must be a non-empty list, each element {_describe(element, meta)}; got "
-                                 f"{value!r}.")
+                raise ValueError(
+                    f"`{f.name}` must be a non-empty list, each element {_describe(element, meta)}; got {value!r}."
+                )
         elif not _valid(value, kind, meta):
             raise ValueError(f"`{f.name}` must be {_describe(kind, meta)}, got {value!r}.")
 
@@ -96,8 +113,9 @@ def comma_list(element):
         try:
             return [element(item) for item in items]
         except ValueError:
-            raise argparse.ArgumentTypeError(f"must be comma-separated {element.__name__} values, got {text!r}") \
-                from None
+            raise argparse.ArgumentTypeError(
+                f"must be comma-separated {element.__name__} values, got {text!r}"
+            ) from None
 
     return parse
 

@@ -33,13 +33,12 @@ from torch.utils._pytree import tree_flatten
 from ee_transformers.generation_early_exit import ExitStats
 from ee_transformers.lean_early_exit import kv_bytes_per_token, resident_parameter_bytes
 
-__all__ = ["PeakMemory", "fit_batch", "format_table", "interleaved_throughput", "main", "measure_memory",
-           "parse_bytes"]
+__all__ = ["PeakMemory", "fit_batch", "format_table", "interleaved_throughput", "main", "measure_memory", "parse_bytes"]
 
 
 def parse_bytes(text) -> int:
     """ "1.5G", "900M", "64K", "123456" -> bytes (powers of 1024)."""
-    units = {"K": 1024, "M": 1024 ** 2, "G": 1024 ** 3}
+    units = {"K": 1024, "M": 1024**2, "G": 1024**3}
     text = str(text).strip().upper().removesuffix("B").removesuffix("I")
     scale = units.get(text[-1:], 1)
     value = float(text[:-1] if text[-1:] in units else text) * scale
@@ -60,8 +59,11 @@ class PeakMemory(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
-                  if isinstance(t, torch.Tensor) and t.device.type != "meta"}
+        inputs = {
+            t.untyped_storage().data_ptr()
+            for t in tree_flatten((args, kwargs))[0]
+            if isinstance(t, torch.Tensor) and t.device.type != "meta"
+        }
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 storage = t.untyped_storage()
@@ -88,9 +90,18 @@ def _generation_config(model, new_tokens):
     config = copy.deepcopy(model.generation_config)
     eos = config.eos_token_id
     eos = eos[0] if isinstance(eos, (list, tuple)) else eos
-    config.update(max_new_tokens=new_tokens, min_new_tokens=None, do_sample=False, num_beams=1, eos_token_id=None,
-                  return_dict_in_generate=True, temperature=None, top_p=None, top_k=None,
-                  pad_token_id=config.pad_token_id if config.pad_token_id is not None else (eos or 0))
+    config.update(
+        max_new_tokens=new_tokens,
+        min_new_tokens=None,
+        do_sample=False,
+        num_beams=1,
+        eos_token_id=None,
+        return_dict_in_generate=True,
+        temperature=None,
+        top_p=None,
+        top_k=None,
+        pad_token_id=config.pad_token_id if config.pad_token_id is not None else (eos or 0),
+    )
     return config
 
 
@@ -101,7 +112,7 @@ def _batch(prompts, batch_size, offset=0):
     ids = torch.zeros(batch_size, length, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, r in enumerate(rows):
-        ids[i, length - len(r):], mask[i, length - len(r):] = torch.tensor(r), 1
+        ids[i, length - len(r) :], mask[i, length - len(r) :] = torch.tensor(r), 1
     return ids, mask
 
 
@@ -109,8 +120,9 @@ def _batch(prompts, batch_size, offset=0):
 def _generate(model, prompts, batch_size, new_tokens, exit_kwargs, offset=0):
     ids, mask = _batch(prompts, batch_size, offset)
     ids, mask = ids.to(model.device), mask.to(model.device)
-    return model.generate(ids, attention_mask=mask, generation_config=_generation_config(model, new_tokens),
-                          **exit_kwargs)
+    return model.generate(
+        ids, attention_mask=mask, generation_config=_generation_config(model, new_tokens), **exit_kwargs
+    )
 
 
 def measure_memory(model, prompts, new_tokens, exit_kwargs, batch_sizes=(1, 2)) -> dict:
@@ -125,8 +137,14 @@ def measure_memory(model, prompts, new_tokens, exit_kwargs, batch_sizes=(1, 2)) 
         peaks[b] = meter.peak
     (b1, p1), (b2, p2) = sorted(peaks.items())[:2]
     per_row = (p2 - p1) / (b2 - b1)
-    return {"weights": resident_parameter_bytes(model), "kv_bytes_per_token": kv["bytes_per_token"],
-            "kv_layers": kv["layers"], "peak": peaks, "per_row": per_row, "fixed": p1 - per_row * b1}
+    return {
+        "weights": resident_parameter_bytes(model),
+        "kv_bytes_per_token": kv["bytes_per_token"],
+        "kv_layers": kv["layers"],
+        "peak": peaks,
+        "per_row": per_row,
+        "fixed": p1 - per_row * b1,
+    }
 
 
 def fit_batch(memory: dict, budget: int, max_batch: int = 4096) -> int:
@@ -147,17 +165,22 @@ def _quality(model, reference, prompts, new_tokens, exit_kwargs, batch_size, res
         n = min(batch_size, len(prompts) - start)
         out = _generate(model, prompts, n, new_tokens, exit_kwargs, offset=start)
         new = out.sequences[:, -new_tokens:].cpu()
-        rows += agreement(reference[start:start + n], new)
+        rows += agreement(reference[start : start + n], new)
         exits.append(out.exit_layers.flatten())
         greedy.append((out.greedy_exits if out.greedy_exits is not None else out.exit_layers < -1).flatten())
         deepenings += len(out.deepenings or [])
         tokens += new.numel()
     stats = ExitStats.from_exit_layers(torch.cat(exits), model.config.num_hidden_layers, torch.cat(greedy))
-    return {"agreement": sum(r["matches"] for r in rows) / max(sum(r["compared"] for r in rows), 1),
-            "first_divergence": statistics.mean(r["first_divergence"] for r in rows),
-            "mean_exit_layer": stats.mean_exit_layer, "histogram": stats.histogram,
-            "greedy_rate": stats.greedy_rate, "deepenings": deepenings,
-            "deepenings_per_1k_tokens": 1000 * deepenings / tokens, "tokens": tokens}
+    return {
+        "agreement": sum(r["matches"] for r in rows) / max(sum(r["compared"] for r in rows), 1),
+        "first_divergence": statistics.mean(r["first_divergence"] for r in rows),
+        "mean_exit_layer": stats.mean_exit_layer,
+        "histogram": stats.histogram,
+        "greedy_rate": stats.greedy_rate,
+        "deepenings": deepenings,
+        "deepenings_per_1k_tokens": 1000 * deepenings / tokens,
+        "tokens": tokens,
+    }
 
 
 def interleaved_throughput(models, prompts, new_tokens, repeats, log=print):
@@ -168,7 +191,7 @@ def interleaved_throughput(models, prompts, new_tokens, repeats, log=print):
         model, _, exit_kwargs = models[name]
         _generate(model, prompts, 2, new_tokens, exit_kwargs)
     for r in range(repeats):
-        for name in (names if r % 2 == 0 else names[::-1]):
+        for name in names if r % 2 == 0 else names[::-1]:
             model, batch_size, exit_kwargs = models[name]
             _sync(model.device)
             start = time.perf_counter()
@@ -190,8 +213,8 @@ def _calibration_texts(max_chars):
     out = []
     for path, (lo, hi) in ((novel, (0.0, 0.5)), (text["python"][0], (0.0, 0.8))):
         body = Path(path).read_text(encoding="utf-8", errors="replace")
-        part = body[int(lo * len(body)): int(hi * len(body))]
-        out.append(part[len(part) // 3: len(part) // 3 + max_chars])  # away from the front matter
+        part = body[int(lo * len(body)) : int(hi * len(body))]
+        out.append(part[len(part) // 3 : len(part) // 3 + max_chars])  # away from the front matter
     return out
 
 
@@ -204,8 +227,13 @@ def build_parser():
     p = argparse.ArgumentParser(prog="ee-transformers bench --memory-budget", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="early-exit folder, or a plain one with --exit-layers")
     p.add_argument("--exit-layers", default=None, help="comma-separated exits, to convert a plain folder")
-    p.add_argument("--memory-budget", required=True, action="append", type=parse_bytes,
-                   help="bytes for weights + K/V + activations (1.5G, 900M, ...); repeat for several budgets")
+    p.add_argument(
+        "--memory-budget",
+        required=True,
+        action="append",
+        type=parse_bytes,
+        help="bytes for weights + K/V + activations (1.5G, 900M, ...); repeat for several budgets",
+    )
     p.add_argument("--context", type=int, required=True, help="tokens per sequence: prompt + new tokens")
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--exit-criterion", default=None, help="default: the folder's stored setting")
@@ -240,52 +268,86 @@ def main(argv=None):
 
     started = time.perf_counter()
     exit_layers = [int(x) for x in args.exit_layers.split(",")] if args.exit_layers else None
-    exit_kwargs = {k: v for k, v in dict(
-        exit_criterion=args.exit_criterion, exit_threshold=args.exit_threshold, exit_policy=args.exit_policy,
-        exit_check_layers=[int(x) for x in args.exit_check_layers.split(",")] if args.exit_check_layers else None,
-    ).items() if v is not None}
+    exit_kwargs = {
+        k: v
+        for k, v in dict(
+            exit_criterion=args.exit_criterion,
+            exit_threshold=args.exit_threshold,
+            exit_policy=args.exit_policy,
+            exit_check_layers=[int(x) for x in args.exit_check_layers.split(",")] if args.exit_check_layers else None,
+        ).items()
+        if v is not None
+    }
     full = from_base(args.model, exit_layers=exit_layers, dtype=torch.float32).eval()
     tokenizer = full.tokenizer
     last = full.config.num_hidden_layers - 1
 
     profile = None
     if args.exit_max_layer is None:
-        profile = profile_exits(full, tokenizer, _calibration_texts(40 * args.profile_tokens), window=256,
-                                max_tokens=args.profile_tokens, write=False, **exit_kwargs)
+        profile = profile_exits(
+            full,
+            tokenizer,
+            _calibration_texts(40 * args.profile_tokens),
+            window=256,
+            max_tokens=args.profile_tokens,
+            write=False,
+            **exit_kwargs,
+        )
         log(f"[bench-lean] profile: {profile}")
     depth = args.exit_max_layer if args.exit_max_layer is not None else profile.recommend(args.coverage)
     if depth == last:
-        log(f"[bench-lean] the profile needs every layer for {100 * args.coverage:g}% coverage (exit_max_layer "
-            f"{last}): the lean model is the full model, nothing to compare. Lower --coverage or pass --exit-max-layer.")
+        log(
+            f"[bench-lean] the profile needs every layer for {100 * args.coverage:g}% coverage (exit_max_layer "
+            f"{last}): the lean model is the full model, nothing to compare. Lower --coverage or pass --exit-max-layer."
+        )
         return 0
     lean = from_base(args.model, exit_layers=exit_layers, dtype=torch.float32, exit_max_layer=depth).eval()
     log(f"[bench-lean] lean model: layers 0..{depth} of 0..{last} resident")
 
-    prompts = [p["ids"] for p in heldout_prompts(tokenizer, num_prompts=max(args.quality_prompts, 8),
-                                                  window=args.prompt_tokens)]
+    prompts = [
+        p["ids"]
+        for p in heldout_prompts(tokenizer, num_prompts=max(args.quality_prompts, 8), window=args.prompt_tokens)
+    ]
     memory = {}
     for name, model in (("full", full), ("lean", lean)):
         memory[name] = measure_memory(model, prompts, new_tokens, exit_kwargs)
         m = memory[name]
-        log(f"[bench-lean] {name}: weights {m['weights'] / 2**20:.1f} MiB, K/V {m['kv_bytes_per_token'] / 1024:.1f} "
+        log(
+            f"[bench-lean] {name}: weights {m['weights'] / 2**20:.1f} MiB, K/V {m['kv_bytes_per_token'] / 1024:.1f} "
             f"KiB/token ({m['kv_layers']} layers), {m['per_row'] / 2**20:.2f} MiB per row at context {args.context} "
-            f"(K/V {m['kv_bytes_per_token'] * args.context / 2**20:.2f}), fixed {m['fixed'] / 2**20:.1f} MiB")
+            f"(K/V {m['kv_bytes_per_token'] * args.context / 2**20:.2f}), fixed {m['fixed'] / 2**20:.1f} MiB"
+        )
 
     # quality against plain full depth, once (it does not depend on the budget)
     with torch.no_grad():
-        reference = torch.cat([_generate(full, prompts, min(args.quality_batch, args.quality_prompts - s),
-                                         new_tokens, {"early_exit": False}, offset=s).sequences[:, -new_tokens:]
-                               for s in range(0, args.quality_prompts, args.quality_batch)]).cpu()
+        reference = torch.cat(
+            [
+                _generate(
+                    full,
+                    prompts,
+                    min(args.quality_batch, args.quality_prompts - s),
+                    new_tokens,
+                    {"early_exit": False},
+                    offset=s,
+                ).sequences[:, -new_tokens:]
+                for s in range(0, args.quality_prompts, args.quality_batch)
+            ]
+        ).cpu()
     held = prompts[: args.quality_prompts]
     guard = dict(exit_breach_limit=args.breach_limit, exit_breach_window=args.breach_window)
-    quality = {"full": _quality(full, reference, held, new_tokens, exit_kwargs, args.quality_batch),
-               "lean": _quality(lean, reference, held, new_tokens, exit_kwargs, args.quality_batch),
-               "lean + guard": _quality(lean, reference, held, new_tokens, {**exit_kwargs, **guard},
-                                        args.quality_batch, reset_to=depth)}
+    quality = {
+        "full": _quality(full, reference, held, new_tokens, exit_kwargs, args.quality_batch),
+        "lean": _quality(lean, reference, held, new_tokens, exit_kwargs, args.quality_batch),
+        "lean + guard": _quality(
+            lean, reference, held, new_tokens, {**exit_kwargs, **guard}, args.quality_batch, reset_to=depth
+        ),
+    }
     lean.set_exit_max_layer(depth)
     for name, q in quality.items():
-        log(f"[bench-lean] quality {name}: agreement {q['agreement']:.3f}, first divergence "
-            f"{q['first_divergence']:.1f}, greedy {q['greedy_rate']:.3f}, deepenings {q['deepenings']}")
+        log(
+            f"[bench-lean] quality {name}: agreement {q['agreement']:.3f}, first divergence "
+            f"{q['first_divergence']:.1f}, greedy {q['greedy_rate']:.3f}, deepenings {q['deepenings']}"
+        )
 
     budgets = []
     for budget in args.memory_budget:
@@ -301,28 +363,49 @@ def main(argv=None):
             with PeakMemory() as meter:
                 _generate(model, prompts, batch[name], new_tokens, exit_kwargs)
             measured[name] = memory[name]["weights"] + meter.peak
-        log(f"[bench-lean] budget {budget / 2**20:.0f} MiB: batch full {batch['full']}, lean {batch['lean']}; "
-            f"measured totals {measured['full'] / 2**20:.0f} / {measured['lean'] / 2**20:.0f} MiB")
+        log(
+            f"[bench-lean] budget {budget / 2**20:.0f} MiB: batch full {batch['full']}, lean {batch['lean']}; "
+            f"measured totals {measured['full'] / 2**20:.0f} / {measured['lean'] / 2**20:.0f} MiB"
+        )
         # lean at full's batch too: its ratio to full is what depth alone gives, the rest is the larger batch
-        runs = {"full": (full, batch["full"], exit_kwargs), "lean": (lean, batch["lean"], exit_kwargs),
-                "lean at full's batch": (lean, batch["full"], exit_kwargs)}
+        runs = {
+            "full": (full, batch["full"], exit_kwargs),
+            "lean": (lean, batch["lean"], exit_kwargs),
+            "lean at full's batch": (lean, batch["full"], exit_kwargs),
+        }
         speed = interleaved_throughput(runs, prompts, new_tokens, args.repeats, log)
         ratios = [lv / fv for lv, fv in zip(speed["lean"], speed["full"])]
         same_batch = [lv / fv for lv, fv in zip(speed["lean at full's batch"], speed["full"])]
-        row.update(measured_total=measured, tokens_per_s={n: statistics.median(v) for n, v in speed.items()},
-                   tokens_per_s_runs=speed, batch_ratio=batch["lean"] / batch["full"],
-                   throughput_ratio=statistics.median(ratios), throughput_ratio_runs=ratios,
-                   same_batch_ratio=statistics.median(same_batch))
+        row.update(
+            measured_total=measured,
+            tokens_per_s={n: statistics.median(v) for n, v in speed.items()},
+            tokens_per_s_runs=speed,
+            batch_ratio=batch["lean"] / batch["full"],
+            throughput_ratio=statistics.median(ratios),
+            throughput_ratio_runs=ratios,
+            same_batch_ratio=statistics.median(same_batch),
+        )
         budgets.append(row)
 
-    report = {"command": "python -m ee_transformers.tools.bench_lean " + " ".join(sys.argv[1:] if argv is None
-                                                                                  else argv),
-              "machine": machine_info(), "model": str(args.model), "num_layers": last + 1,
-              "exit_layers": list(full.config.exit_layers), "exit_settings": {k: str(v) for k, v in exit_kwargs.items()},
-              "context": args.context, "prompt_tokens": args.prompt_tokens, "new_tokens": new_tokens,
-              "exit_max_layer": depth, "coverage": args.coverage,
-              "profile": profile.to_dict() if profile is not None else None, "memory": memory, "quality": quality,
-              "guard": guard, "budgets": budgets, "wall_seconds": time.perf_counter() - started}
+    report = {
+        "command": "python -m ee_transformers.tools.bench_lean " + " ".join(sys.argv[1:] if argv is None else argv),
+        "machine": machine_info(),
+        "model": str(args.model),
+        "num_layers": last + 1,
+        "exit_layers": list(full.config.exit_layers),
+        "exit_settings": {k: str(v) for k, v in exit_kwargs.items()},
+        "context": args.context,
+        "prompt_tokens": args.prompt_tokens,
+        "new_tokens": new_tokens,
+        "exit_max_layer": depth,
+        "coverage": args.coverage,
+        "profile": profile.to_dict() if profile is not None else None,
+        "memory": memory,
+        "quality": quality,
+        "guard": guard,
+        "budgets": budgets,
+        "wall_seconds": time.perf_counter() - started,
+    }
     table = format_table(report)
     print(table)
     if args.out:
@@ -338,38 +421,54 @@ def main(argv=None):
 
 
 def format_table(report) -> str:
-    mib = 2 ** 20
+    mib = 2**20
     m, q = report["memory"], report["quality"]
-    lines = [f"**Lean at exit_max_layer {report['exit_max_layer']}** (layers 0..{report['exit_max_layer']} of "
-             f"0..{report['num_layers'] - 1}), context {report['context']} ({report['prompt_tokens']} prompt + "
-             f"{report['new_tokens']} new tokens)", "",
-             "| model | weights MiB | K/V KiB / token | MiB per row | agreement | tokens to 1st divergence | "
-             "greedy exits | deepenings / 1k tokens |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"**Lean at exit_max_layer {report['exit_max_layer']}** (layers 0..{report['exit_max_layer']} of "
+        f"0..{report['num_layers'] - 1}), context {report['context']} ({report['prompt_tokens']} prompt + "
+        f"{report['new_tokens']} new tokens)",
+        "",
+        "| model | weights MiB | K/V KiB / token | MiB per row | agreement | tokens to 1st divergence | "
+        "greedy exits | deepenings / 1k tokens |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for name in ("full", "lean", "lean + guard"):
         mem = m["lean" if name.startswith("lean") else "full"]
-        lines.append(f"| {name} | {mem['weights'] / mib:.1f} | {mem['kv_bytes_per_token'] / 1024:.1f} | "
-                     f"{mem['per_row'] / mib:.2f} | {q[name]['agreement']:.3f} | {q[name]['first_divergence']:.1f} | "
-                     f"{q[name]['greedy_rate']:.3f} | {q[name]['deepenings_per_1k_tokens']:.1f} |")
+        lines.append(
+            f"| {name} | {mem['weights'] / mib:.1f} | {mem['kv_bytes_per_token'] / 1024:.1f} | "
+            f"{mem['per_row'] / mib:.2f} | {q[name]['agreement']:.3f} | {q[name]['first_divergence']:.1f} | "
+            f"{q[name]['greedy_rate']:.3f} | {q[name]['deepenings_per_1k_tokens']:.1f} |"
+        )
     if report.get("profile") and report["profile"].get("agreement"):
         agreement, e = report["profile"]["agreement"], str(report["exit_max_layer"])
-        lines += ["", f"Teacher-forced on the profile's text: the early-exit model agrees with full depth on "
-                      f"{agreement[str(report['num_layers'] - 1)]:.3f} of tokens, a lean one at {e} on "
-                      f"{agreement[e]:.3f} (its greedy exits); the profile covers "
-                      f"{report['profile']['coverage'][e]:.3f} of decisions at {e}."]
-    lines += ["", "| budget MiB | batch full | batch lean | batch ratio | tok/s full | tok/s lean | throughput ratio "
-              "[runs] | lean at full's batch / full | measured MiB full / lean |",
-              "|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"Teacher-forced on the profile's text: the early-exit model agrees with full depth on "
+            f"{agreement[str(report['num_layers'] - 1)]:.3f} of tokens, a lean one at {e} on "
+            f"{agreement[e]:.3f} (its greedy exits); the profile covers "
+            f"{report['profile']['coverage'][e]:.3f} of decisions at {e}.",
+        ]
+    lines += [
+        "",
+        "| budget MiB | batch full | batch lean | batch ratio | tok/s full | tok/s lean | throughput ratio "
+        "[runs] | lean at full's batch / full | measured MiB full / lean |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for b in report["budgets"]:
         if "note" in b:
-            lines.append(f"| {b['budget'] / mib:.0f} | {b['batch']['full']} | {b['batch']['lean']} | - | - | - | - | "
-                         f"- | {b['note']} |")
+            lines.append(
+                f"| {b['budget'] / mib:.0f} | {b['batch']['full']} | {b['batch']['lean']} | - | - | - | - | "
+                f"- | {b['note']} |"
+            )
             continue
         runs = ", ".join(f"{r:.2f}" for r in b["throughput_ratio_runs"])
-        lines.append(f"| {b['budget'] / mib:.0f} | {b['batch']['full']} | {b['batch']['lean']} | "
-                     f"{b['batch_ratio']:.2f}x | {b['tokens_per_s']['full']:.1f} | {b['tokens_per_s']['lean']:.1f} | "
-                     f"{b['throughput_ratio']:.2f}x [{runs}] | {b['same_batch_ratio']:.2f}x | "
-                     f"{b['measured_total']['full'] / mib:.0f} / "
-                     f"{b['measured_total']['lean'] / mib:.0f} |")
+        lines.append(
+            f"| {b['budget'] / mib:.0f} | {b['batch']['full']} | {b['batch']['lean']} | "
+            f"{b['batch_ratio']:.2f}x | {b['tokens_per_s']['full']:.1f} | {b['tokens_per_s']['lean']:.1f} | "
+            f"{b['throughput_ratio']:.2f}x [{runs}] | {b['same_batch_ratio']:.2f}x | "
+            f"{b['measured_total']['full'] / mib:.0f} / "
+            f"{b['measured_total']['lean'] / mib:.0f} |"
+        )
     return "\n".join(lines) + "\n"
 
 

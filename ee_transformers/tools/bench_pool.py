@@ -24,16 +24,19 @@ from pathlib import Path
 
 import torch
 
-HELIOS_CLAIM = ("HELIOS (arXiv abstract) reports 1.48x throughput and 15.14x batch size over existing early-exit "
-                "frameworks, for model switching and lean loading together; the abstract gives no figure for the pool "
-                "alone.")
+HELIOS_CLAIM = (
+    "HELIOS (arXiv abstract) reports 1.48x throughput and 15.14x batch size over existing early-exit "
+    "frameworks, for model switching and lean loading together; the abstract gives no figure for the pool "
+    "alone."
+)
 FIT_REGIONS = {"python": (0.0, 0.5)}  # plus the five training novels, whole (as the demo fits)
 PROFILE_REGIONS = {"austen": (0.0, 0.5), "python": (0.6, 0.7)}  # held out from fits and from the prompts
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(prog="ee-transformers bench-pool", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="ee-transformers bench-pool", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", default="runs/pool-bench", help="fitted folders and results go here")
     parser.add_argument("--reuse", action="store_true", help="reuse fitted folders in --out")
     parser.add_argument("--exit-layers", default="23,26", help="comma-separated exit layers (of 0..29)")
@@ -60,7 +63,7 @@ def build_parser():
 def _slice(path, region, max_chars):
     text = Path(path).read_text(encoding="utf-8", errors="replace")
     start, stop = int(region[0] * len(text)), int(region[1] * len(text))
-    return text[start:min(stop, start + max_chars)]
+    return text[start : min(stop, start + max_chars)]
 
 
 def _domain_texts(assets, max_chars):
@@ -69,10 +72,14 @@ def _domain_texts(assets, max_chars):
     novels = {Path(p).stem: p for p in text["austen"]}
     manual = text["python"][0]
     per_novel = max_chars // len(assets.AUSTEN_TRAIN)
-    train = {"novels": [_slice(novels[name], (0.0, 1.0), per_novel) for name in assets.AUSTEN_TRAIN],
-             "python": [_slice(manual, FIT_REGIONS["python"], max_chars)]}
-    heldout = {"austen": _slice(novels[assets.AUSTEN_HELDOUT], PROFILE_REGIONS["austen"], 60_000),
-               "python": _slice(manual, PROFILE_REGIONS["python"], 60_000)}
+    train = {
+        "novels": [_slice(novels[name], (0.0, 1.0), per_novel) for name in assets.AUSTEN_TRAIN],
+        "python": [_slice(manual, FIT_REGIONS["python"], max_chars)],
+    }
+    heldout = {
+        "austen": _slice(novels[assets.AUSTEN_HELDOUT], PROFILE_REGIONS["austen"], 60_000),
+        "python": _slice(manual, PROFILE_REGIONS["python"], 60_000),
+    }
     return train, heldout
 
 
@@ -83,18 +90,31 @@ def fit_model(name, texts, model_dir, folder, args):
     from ee_transformers.training.fit_exit_heads import FitConfig, fit_exit_heads, save_model_folder
 
     exit_layers = [int(x) for x in args.exit_layers.split(",")]
-    model = from_base(model_dir, exit_layers=exit_layers, exit_head="adapter", exit_adapter_rank=args.adapter_rank,
-                      dtype=torch.float32)
+    model = from_base(
+        model_dir,
+        exit_layers=exit_layers,
+        exit_head="adapter",
+        exit_adapter_rank=args.adapter_rank,
+        dtype=torch.float32,
+    )
     blocks = tokenize_blocks(texts, model.tokenizer, args.block_size)
     order = torch.randperm(blocks.shape[0], generator=torch.Generator().manual_seed(0))
     heldout, train = blocks[order[:8]], blocks[order[8:]]
-    config = FitConfig(steps=args.steps, batch_size=2, lr=args.lr, warmup_steps=min(20, args.steps // 5),
-                       positions_per_block=args.positions, eval_blocks=8)
+    config = FitConfig(
+        steps=args.steps,
+        batch_size=2,
+        lr=args.lr,
+        warmup_steps=min(20, args.steps // 5),
+        positions_per_block=args.positions,
+        eval_blocks=8,
+    )
     started = time.perf_counter()
     result = fit_exit_heads(model, train, heldout, config)
-    print(f"   {name}: {args.steps} steps in {(time.perf_counter() - started) / 60:.1f} min; held-out agreement with "
-          f"the final layer per exit {[round(a, 3) for a in result.agreement_before]} -> "
-          f"{[round(a, 3) for a in result.agreement_after]}")
+    print(
+        f"   {name}: {args.steps} steps in {(time.perf_counter() - started) / 60:.1f} min; held-out agreement with "
+        f"the final layer per exit {[round(a, 3) for a in result.agreement_before]} -> "
+        f"{[round(a, 3) for a in result.agreement_after]}"
+    )
     save_model_folder(model, folder, tokenizer=model.tokenizer, reports={"fit_report.json": result.summary()})
     return folder
 
@@ -126,34 +146,46 @@ def complementarity(models, tokenizer, heldout, exit_kwargs, block_size):
                 undecided &= ~fire
             counts = exits.flatten().bincount(minlength=last + 1)
             histogram = {layer: int(c) for layer, c in enumerate(counts.tolist()) if c}
-            rows.append({"model": name, "domain": domain, "tokens": int(final.numel()),
-                         "exit_rate": float((exits < last).float().mean()),
-                         "agreement": float((tokens == final).float().mean()),
-                         "mean_exit_layer": float(exits.float().mean()),
-                         "cost_per_token": analytic_costs(model, settings).per_token(histogram),
-                         "histogram": histogram})
+            rows.append(
+                {
+                    "model": name,
+                    "domain": domain,
+                    "tokens": int(final.numel()),
+                    "exit_rate": float((exits < last).float().mean()),
+                    "agreement": float((tokens == final).float().mean()),
+                    "mean_exit_layer": float(exits.float().mean()),
+                    "cost_per_token": analytic_costs(model, settings).per_token(histogram),
+                    "histogram": histogram,
+                }
+            )
     return rows
 
 
 def _configurations(models, plain, pool, exit_kwargs, pool_kwargs):
     """name -> generate(ids) returning (new tokens (1, T), exit layers (1, T) or None, pool output or None)."""
+
     def ee(model):
         def run(ids, config):
             out = model.generate(ids, generation_config=config, **exit_kwargs)
-            return out.sequences[:, ids.shape[1]:], out.exit_layers, None
+            return out.sequences[:, ids.shape[1] :], out.exit_layers, None
+
         return run
 
     def full(ids, config):
         out = plain.generate(ids, generation_config=config)
-        return out.sequences[:, ids.shape[1]:], None, None
+        return out.sequences[:, ids.shape[1] :], None, None
 
     def pooled(ids, config):
         out = pool.generate(ids, generation_config=config, **exit_kwargs, **pool_kwargs)
-        return out.sequences[:, ids.shape[1]:], out.exit_layers, out
+        return out.sequences[:, ids.shape[1] :], out.exit_layers, out
 
     names = list(models)
-    return {"full depth": full, f"{names[0]} alone": ee(models[names[0]]), f"{names[1]} alone": ee(models[names[1]]),
-            f"pool [{', '.join(names)}]": pooled}
+    return {
+        "full depth": full,
+        f"{names[0]} alone": ee(models[names[0]]),
+        f"{names[1]} alone": ee(models[names[1]]),
+        f"pool [{', '.join(names)}]": pooled,
+    }
 
 
 def run_workload(configs, prompts, config, repeats, eos_ids, num_layers):
@@ -180,9 +212,15 @@ def run_workload(configs, prompts, config, repeats, eos_ids, num_layers):
                         reference[k] = new
                     r["exits"].append(exits if exits is not None else torch.full_like(new, num_layers - 1))
                     if pool_out is not None:
-                        r["switches"].append({"prompt": k, "domain": domain,
-                                              "switches": [(s.token, s.source, s.target) for s in pool_out.switches],
-                                              "profiles": pool_out.profiles, "caught_up": pool_out.caught_up})
+                        r["switches"].append(
+                            {
+                                "prompt": k,
+                                "domain": domain,
+                                "switches": [(s.token, s.source, s.target) for s in pool_out.switches],
+                                "profiles": pool_out.profiles,
+                                "caught_up": pool_out.caught_up,
+                            }
+                        )
                     r.setdefault("new", {})[k] = new
         print(f"   round {repeat + 1}/{repeats} done")
     for name in names:
@@ -199,40 +237,59 @@ def run_workload(configs, prompts, config, repeats, eos_ids, num_layers):
 
 
 def format_report(complement, results, args, names, machine):
-    lines = [f"Criterion `{args.criterion}` >= {args.threshold}, checked exits {args.check_layers or args.exit_layers}, "
-             f"{args.policy} policy; pool_interval {args.interval}, pool_profile_every {args.profile_every}; "
-             f"{machine}.", "",
-             "Teacher-forced on held-out text (8 blocks of %d tokens per domain):" % args.block_size, "",
-             "| model | domain | exit rate | agreement with full depth | mean exit layer | predicted cost / token "
-             "(M params read) |", "|---|---|---|---|---|---|"]
+    lines = [
+        f"Criterion `{args.criterion}` >= {args.threshold}, checked exits {args.check_layers or args.exit_layers}, "
+        f"{args.policy} policy; pool_interval {args.interval}, pool_profile_every {args.profile_every}; "
+        f"{machine}.",
+        "",
+        f"Teacher-forced on held-out text (8 blocks of {args.block_size} tokens per domain):",
+        "",
+        "| model | domain | exit rate | agreement with full depth | mean exit layer | predicted cost / token "
+        "(M params read) |",
+        "|---|---|---|---|---|---|",
+    ]
     for row in complement:
-        lines.append(f"| {row['model']} | {row['domain']} | {row['exit_rate']:.3f} | {row['agreement']:.3f} | "
-                     f"{row['mean_exit_layer']:.1f} | {row['cost_per_token'] / 1e6:.1f} |")
+        lines.append(
+            f"| {row['model']} | {row['domain']} | {row['exit_rate']:.3f} | {row['agreement']:.3f} | "
+            f"{row['mean_exit_layer']:.1f} | {row['cost_per_token'] / 1e6:.1f} |"
+        )
     full = results["full depth"]["tok_s"]
     domains = list(results["full depth"]["tok_s_by_domain"])
-    lines += ["", f"Generation, batch 1, {args.prompts} prompts x {args.new_tokens} new tokens, {args.repeats} "
-              "interleaved rounds (tok/s = new tokens / seconds over all rounds):", "",
-              "| configuration | tok/s | vs full depth | " + " | ".join(f"tok/s {d}" for d in domains) +
-              " | greedy agreement | tokens to 1st divergence | mean exit layer |",
-              "|---|---|---|" + "---|" * len(domains) + "---|---|---|"]
+    lines += [
+        "",
+        f"Generation, batch 1, {args.prompts} prompts x {args.new_tokens} new tokens, {args.repeats} "
+        "interleaved rounds (tok/s = new tokens / seconds over all rounds):",
+        "",
+        "| configuration | tok/s | vs full depth | "
+        + " | ".join(f"tok/s {d}" for d in domains)
+        + " | greedy agreement | tokens to 1st divergence | mean exit layer |",
+        "|---|---|---|" + "---|" * len(domains) + "---|---|---|",
+    ]
     for name, r in results.items():
         by_domain = " | ".join(f"{r['tok_s_by_domain'][d]:.2f}" for d in domains)
-        lines.append(f"| {name} | {r['tok_s']:.2f} | {r['tok_s'] / full:.3f}x | {by_domain} | {r['agreement']:.3f} | "
-                     f"{r['first_divergence']:.1f} | {r['mean_exit_layer']:.1f} |")
+        lines.append(
+            f"| {name} | {r['tok_s']:.2f} | {r['tok_s'] / full:.3f}x | {by_domain} | {r['agreement']:.3f} | "
+            f"{r['first_divergence']:.1f} | {r['mean_exit_layer']:.1f} |"
+        )
     pool_name = next(n for n in results if n.startswith("pool"))
     records = results[pool_name]["switches"]
     lines += ["", f"Where the pool switched ({len(records)} prompts; model 0 = {names[0]}, 1 = {names[1]}):", ""]
     for domain in domains:
         mine = [r for r in records if r["domain"] == domain]
         switched = [r for r in mine if r["switches"]]
-        where = ", ".join(f"prompt {r['prompt']}: " + "; ".join(f"token {t}: {s}->{d}" for t, s, d in r["switches"])
-                          for r in switched)
-        lines.append(f"- {domain}: {len(switched)} of {len(mine)} requests switched"
-                     f"{' (' + where + ')' if where else ''}")
+        where = ", ".join(
+            f"prompt {r['prompt']}: " + "; ".join(f"token {t}: {s}->{d}" for t, s, d in r["switches"]) for r in switched
+        )
+        lines.append(
+            f"- {domain}: {len(switched)} of {len(mine)} requests switched{' (' + where + ')' if where else ''}"
+        )
     best = max((n for n in results if n.endswith("alone")), key=lambda n: results[n]["tok_s"])
     ratio = results[pool_name]["tok_s"] / results[best]["tok_s"]
-    lines += ["", f"Pool vs the best single model ({best}): {ratio:.3f}x tokens/s, agreement "
-              f"{results[pool_name]['agreement']:.3f} vs {results[best]['agreement']:.3f}. {HELIOS_CLAIM}"]
+    lines += [
+        "",
+        f"Pool vs the best single model ({best}): {ratio:.3f}x tokens/s, agreement "
+        f"{results[pool_name]['agreement']:.3f} vs {results[best]['agreement']:.3f}. {HELIOS_CLAIM}",
+    ]
     return "\n".join(lines)
 
 
@@ -267,16 +324,19 @@ def main(argv=None):
     print("== 2. complementarity (teacher-forced, held-out text)")
     complement = complementarity(models, tokenizer, heldout, exit_kwargs, args.block_size)
     for row in complement:
-        print(f"   {row['model']:>7} on {row['domain']:<7} exit rate {row['exit_rate']:.3f}, agreement "
-              f"{row['agreement']:.3f}, mean exit layer {row['mean_exit_layer']:.1f}")
+        print(
+            f"   {row['model']:>7} on {row['domain']:<7} exit rate {row['exit_rate']:.3f}, agreement "
+            f"{row['agreement']:.3f}, mean exit layer {row['mean_exit_layer']:.1f}"
+        )
 
     print("== 3. the mixed workload")
     plain = bench.plain_twin(first)
     pool = EarlyExitPool(list(models.values()))
     prompts = bench.heldout_prompts(tokenizer, num_prompts=args.prompts)
     config = _greedy_config(first, args.new_tokens)
-    configs = _configurations(models, plain, pool, exit_kwargs,
-                              {"pool_interval": args.interval, "pool_profile_every": args.profile_every})
+    configs = _configurations(
+        models, plain, pool, exit_kwargs, {"pool_interval": args.interval, "pool_profile_every": args.profile_every}
+    )
     warm = torch.tensor([prompts[0]["ids"]])
     for run in configs.values():  # warm-up: first calls pay allocations and lazy inits
         run(warm, _greedy_config(first, 4))
@@ -287,8 +347,12 @@ def main(argv=None):
     machine = f"torch {torch.__version__}, {torch.get_num_threads()} threads, {torch.device('cpu')}"
     report = format_report(complement, results, args, list(models), machine)
     print("== 4. report\n" + report)
-    summary = {"args": vars(args), "complementarity": complement, "results": results,
-               "minutes": round((time.perf_counter() - started) / 60, 1)}
+    summary = {
+        "args": vars(args),
+        "complementarity": complement,
+        "results": results,
+        "minutes": round((time.perf_counter() - started) / 60, 1),
+    }
     (out / "bench_pool.json").write_text(json.dumps(bench.jsonable(summary), indent=1))
     (out / "bench_pool.md").write_text(report + "\n")
     print(f"== done in {summary['minutes']} min; {out / 'bench_pool.md'}")
@@ -302,10 +366,27 @@ def _greedy_config(model, new_tokens):
     config = copy.deepcopy(model.generation_config)
     eos = config.eos_token_id
     pad = config.pad_token_id if config.pad_token_id is not None else (eos if isinstance(eos, int) else 0)
-    config.update(max_new_tokens=new_tokens, min_new_tokens=None, do_sample=False, num_beams=1, eos_token_id=None,
-                  pad_token_id=pad, return_dict_in_generate=True, temperature=None, top_p=None, top_k=None)
-    for name in ("exit_criterion", "exit_threshold", "exit_policy", "exit_patience", "exit_kv", "exit_check_layers",
-                 "early_exit"):
+    config.update(
+        max_new_tokens=new_tokens,
+        min_new_tokens=None,
+        do_sample=False,
+        num_beams=1,
+        eos_token_id=None,
+        pad_token_id=pad,
+        return_dict_in_generate=True,
+        temperature=None,
+        top_p=None,
+        top_k=None,
+    )
+    for name in (
+        "exit_criterion",
+        "exit_threshold",
+        "exit_policy",
+        "exit_patience",
+        "exit_kv",
+        "exit_check_layers",
+        "early_exit",
+    ):
         if hasattr(config, name):
             setattr(config, name, None)
     return config

@@ -42,8 +42,15 @@ from transformers import DynamicCache
 from ee_transformers.generation_early_exit import EXIT_ARGUMENTS
 from ee_transformers.tools.bench import heldout_prompts, load_models, make_batches, plain_twin, random_prompts
 
-__all__ = ["ForcedDraftHead", "format_table", "ideal_ms", "main", "measure_costs", "pass_through_above",
-           "run_benchmark"]
+__all__ = [
+    "ForcedDraftHead",
+    "format_table",
+    "ideal_ms",
+    "main",
+    "measure_costs",
+    "pass_through_above",
+    "run_benchmark",
+]
 
 TARGET_REALISED_OVER_IDEAL = 0.9
 
@@ -150,13 +157,33 @@ def measure_costs(model, batch_size, max_positions, prompt_length=64, context=96
     pieces["draft_head"] = (lambda: model.exit_logits_from_hidden(0, last).float().softmax(-1).max(-1), None)
     ms = _median_ms(pieces, device, max(repeats, config.num_hidden_layers))  # every layer at least once
     prompt = ids(prompt_length)
-    ms.update(_median_ms({"prefill": (lambda: fam.head_logits(model, fam.decoder(model)(
-        input_ids=prompt, cache=DynamicCache(config=config), use_cache=True).last_hidden_state[:, -1]), None)},
-        device, repeats=3, warmup=1))  # a whole forward: a few suffice
-    return {"batch_size": batch_size, "context": context, "prompt_length": prompt_length,
-            "layer": {q: ms[f"layer_{q}"] for q in range(1, max_positions + 1)},
-            "final_head": {q: ms[f"final_head_{q}"] for q in range(1, max_positions + 1)},
-            "draft_head": ms["draft_head"], "prefill": ms["prefill"]}
+    ms.update(
+        _median_ms(
+            {
+                "prefill": (
+                    lambda: fam.head_logits(
+                        model,
+                        fam.decoder(model)(
+                            input_ids=prompt, cache=DynamicCache(config=config), use_cache=True
+                        ).last_hidden_state[:, -1],
+                    ),
+                    None,
+                )
+            },
+            device,
+            repeats=3,
+            warmup=1,
+        )
+    )  # a whole forward: a few suffice
+    return {
+        "batch_size": batch_size,
+        "context": context,
+        "prompt_length": prompt_length,
+        "layer": {q: ms[f"layer_{q}"] for q in range(1, max_positions + 1)},
+        "final_head": {q: ms[f"final_head_{q}"] for q in range(1, max_positions + 1)},
+        "draft_head": ms["draft_head"],
+        "prefill": ms["prefill"],
+    }
 
 
 def ideal_ms(costs, num_layers, new_tokens, exit_layer=None, draft_lengths=()):
@@ -199,9 +226,18 @@ def _greedy(model, new_tokens):
     for name in EXIT_ARGUMENTS:
         if hasattr(config, name):
             setattr(config, name, None)
-    config.update(max_new_tokens=new_tokens, min_new_tokens=None, do_sample=False, num_beams=1, eos_token_id=None,
-                  temperature=None, top_p=None, top_k=None, pad_token_id=config.pad_token_id or 0,
-                  return_dict_in_generate=True)
+    config.update(
+        max_new_tokens=new_tokens,
+        min_new_tokens=None,
+        do_sample=False,
+        num_beams=1,
+        eos_token_id=None,
+        temperature=None,
+        top_p=None,
+        top_k=None,
+        pad_token_id=config.pad_token_id or 0,
+        return_dict_in_generate=True,
+    )
     return config
 
 
@@ -218,8 +254,11 @@ def _timed(run):
 
 def _ours(model, batch, config, new_tokens):
     ids, mask, _ = batch
-    settings = dict(assistant_early_exit=config["exit_layer"] + 1, num_assistant_tokens=config["k"],
-                    assistant_confidence_threshold=config["threshold"])
+    settings = dict(
+        assistant_early_exit=config["exit_layer"] + 1,
+        num_assistant_tokens=config["k"],
+        assistant_confidence_threshold=config["threshold"],
+    )
     return lambda: model.generate(ids, attention_mask=mask, generation_config=_greedy(model, new_tokens), **settings)
 
 
@@ -231,11 +270,18 @@ def _transformers(plain, batch, config, new_tokens):
     def run():
         stored = plain.generation_config
         plain.generation_config = copy.deepcopy(stored)
-        plain.generation_config.update(num_assistant_tokens=config["k"], num_assistant_tokens_schedule="constant",
-                                       assistant_confidence_threshold=config["threshold"])
+        plain.generation_config.update(
+            num_assistant_tokens=config["k"],
+            num_assistant_tokens_schedule="constant",
+            assistant_confidence_threshold=config["threshold"],
+        )
         try:
-            return plain.generate(ids, attention_mask=mask, generation_config=_greedy(plain, new_tokens),
-                                  assistant_early_exit=config["exit_layer"] + 1)
+            return plain.generate(
+                ids,
+                attention_mask=mask,
+                generation_config=_greedy(plain, new_tokens),
+                assistant_early_exit=config["exit_layer"] + 1,
+            )
         finally:
             plain.generation_config = stored
 
@@ -263,22 +309,68 @@ def _compare(plain_run, runs, repeats, log):
             ratios[i].append((before + after) / 2 / seconds)
             log(f"  {name}: {seconds:.2f} s (plain {before:.2f} / {after:.2f} s)")
             before = after
-    return [(statistics.median(times[i]), statistics.median(ratios[i]), outputs[i]) for i in range(len(runs))], plain_out
+    return [
+        (statistics.median(times[i]), statistics.median(ratios[i]), outputs[i]) for i in range(len(runs))
+    ], plain_out
 
 
-def run_benchmark(ee_model, plain_model, prompts, batch_sizes=(1, 8), exit_layers=None, ks=(2, 4), new_tokens=16,
-                  threshold=0.4, forced_rates=(1.0, 0.6), transformers_baseline=True, heads=True, repeats=1,
-                  cost_repeats=15, forced_exits=None, log=print):
+def run_benchmark(
+    ee_model,
+    plain_model,
+    prompts,
+    batch_sizes=(1, 8),
+    exit_layers=None,
+    ks=(2, 4),
+    new_tokens=16,
+    threshold=0.4,
+    forced_rates=(1.0, 0.6),
+    transformers_baseline=True,
+    heads=True,
+    repeats=1,
+    cost_repeats=15,
+    forced_exits=None,
+    log=print,
+):
     """The side-by-side run; returns the report (`format_table` prints it). heads=False: forced profiles only (for
     random weights, whose heads decide nothing); forced_exits: the exits of the forced profiles (default: all)."""
     plain_model.generation_config = copy.deepcopy(plain_model.generation_config)  # the twin shares ee's otherwise
     with _without_eos(ee_model, plain_model):
-        return _run(ee_model, plain_model, prompts, batch_sizes, exit_layers, ks, new_tokens, threshold, forced_rates,
-                    transformers_baseline, heads, repeats, cost_repeats, forced_exits, log)
+        return _run(
+            ee_model,
+            plain_model,
+            prompts,
+            batch_sizes,
+            exit_layers,
+            ks,
+            new_tokens,
+            threshold,
+            forced_rates,
+            transformers_baseline,
+            heads,
+            repeats,
+            cost_repeats,
+            forced_exits,
+            log,
+        )
 
 
-def _run(ee_model, plain_model, prompts, batch_sizes, exit_layers, ks, new_tokens, threshold, forced_rates,
-         transformers_baseline, heads, repeats, cost_repeats, forced_exits, log):
+def _run(
+    ee_model,
+    plain_model,
+    prompts,
+    batch_sizes,
+    exit_layers,
+    ks,
+    new_tokens,
+    threshold,
+    forced_rates,
+    transformers_baseline,
+    heads,
+    repeats,
+    cost_repeats,
+    forced_exits,
+    log,
+):
     exits = list(exit_layers or ee_model.config.exit_layers)
     forced_exits = exits if forced_exits is None else list(forced_exits)
     num_layers = ee_model.config.num_hidden_layers
@@ -286,62 +378,116 @@ def _run(ee_model, plain_model, prompts, batch_sizes, exit_layers, ks, new_token
     for batch_size in batch_sizes:
         batch = make_batches(prompts, batch_size, max_batches=1, device=ee_model.device)[0]
         start = time.perf_counter()
-        cost = costs[batch_size] = measure_costs(ee_model, batch_size, max(ks) + 1, batch[0].shape[1],
-                                                 batch[0].shape[1] + new_tokens // 2, cost_repeats)
-        log(f"[bench-speculative] batch {batch_size}: cost model in {time.perf_counter() - start:.0f} s: layer "
+        cost = costs[batch_size] = measure_costs(
+            ee_model, batch_size, max(ks) + 1, batch[0].shape[1], batch[0].shape[1] + new_tokens // 2, cost_repeats
+        )
+        log(
+            f"[bench-speculative] batch {batch_size}: cost model in {time.perf_counter() - start:.0f} s: layer "
             f"{cost['layer'][1]:.2f} ms, final head {cost['final_head'][1]:.2f} ms, draft head "
-            f"{cost['draft_head']:.2f} ms")
+            f"{cost['draft_head']:.2f} ms"
+        )
         plain_ideal = ideal_ms(cost, num_layers, new_tokens)
 
-        configs = [dict(mode="ours", profile="heads", exit_layer=e, k=k, threshold=threshold)
-                   for e in exits for k in ks] if heads else []
+        configs = (
+            [dict(mode="ours", profile="heads", exit_layer=e, k=k, threshold=threshold) for e in exits for k in ks]
+            if heads
+            else []
+        )
         if transformers_baseline and batch_size == 1:
             configs += [dict(c, mode="transformers") for c in configs]
-        runs = [(f"{c['mode']} E={c['exit_layer']} K={c['k']}",
-                 _ours(ee_model, batch, c, new_tokens) if c["mode"] == "ours"
-                 else _transformers(plain_model, batch, c, new_tokens)) for c in configs]
+        runs = [
+            (
+                f"{c['mode']} E={c['exit_layer']} K={c['k']}",
+                _ours(ee_model, batch, c, new_tokens)
+                if c["mode"] == "ours"
+                else _transformers(plain_model, batch, c, new_tokens),
+            )
+            for c in configs
+        ]
         if runs:
             measured, plain_out = _compare(_plain(plain_model, batch, new_tokens), runs, repeats, log)
             for config, (seconds, speedup, out) in zip(configs, measured):
-                results.append(_result(config, batch_size, seconds, speedup, out, plain_out, cost, plain_ideal,
-                                       num_layers, new_tokens))
+                results.append(
+                    _result(
+                        config, batch_size, seconds, speedup, out, plain_out, cost, plain_ideal, num_layers, new_tokens
+                    )
+                )
 
         for exit_layer in forced_exits:  # forced acceptance: a copy per exit and rate, on the same pieces of compute
             for rate in forced_rates:
                 forced = forced_model(ee_model, exit_layer, rate).eval()
                 twin = plain_twin(forced)  # plain generate on the copy's very modules
                 twin.generation_config = copy.deepcopy(forced.generation_config)
-                forced_configs = [dict(mode="ours", profile=f"forced {rate:g}", exit_layer=exit_layer, k=k,
-                                       threshold=0.0) for k in ks]
+                forced_configs = [
+                    dict(mode="ours", profile=f"forced {rate:g}", exit_layer=exit_layer, k=k, threshold=0.0) for k in ks
+                ]
                 if transformers_baseline and batch_size == 1 and rate == 1.0:  # its draft head is the final norm
                     forced_configs += [dict(c, mode="transformers") for c in forced_configs]
-                runs = [(f"{c['mode']} {c['profile']} E={exit_layer} K={c['k']}",
-                         _ours(forced, batch, c, new_tokens) if c["mode"] == "ours"
-                         else _transformers(twin, batch, c, new_tokens)) for c in forced_configs]
+                runs = [
+                    (
+                        f"{c['mode']} {c['profile']} E={exit_layer} K={c['k']}",
+                        _ours(forced, batch, c, new_tokens)
+                        if c["mode"] == "ours"
+                        else _transformers(twin, batch, c, new_tokens),
+                    )
+                    for c in forced_configs
+                ]
                 measured, plain_out = _compare(_plain(twin, batch, new_tokens), runs, repeats, log)
                 for config, (seconds, speedup, out) in zip(forced_configs, measured):
-                    results.append(_result(config, batch_size, seconds, speedup, out, plain_out, cost,
-                                           plain_ideal, num_layers, new_tokens))
+                    results.append(
+                        _result(
+                            config,
+                            batch_size,
+                            seconds,
+                            speedup,
+                            out,
+                            plain_out,
+                            cost,
+                            plain_ideal,
+                            num_layers,
+                            new_tokens,
+                        )
+                    )
                 del forced, twin
-    report = {"settings": dict(batch_sizes=list(batch_sizes), exit_layers=exits, ks=list(ks), new_tokens=new_tokens,
-                               threshold=threshold, forced_rates=list(forced_rates), forced_exits=forced_exits,
-                               num_layers=num_layers,
-                               prompt_tokens=len(prompts[0]["ids"]), threads=torch.get_num_threads(),
-                               repeats=repeats),
-              "costs": costs, "results": results}
+    report = {
+        "settings": dict(
+            batch_sizes=list(batch_sizes),
+            exit_layers=exits,
+            ks=list(ks),
+            new_tokens=new_tokens,
+            threshold=threshold,
+            forced_rates=list(forced_rates),
+            forced_exits=forced_exits,
+            num_layers=num_layers,
+            prompt_tokens=len(prompts[0]["ids"]),
+            threads=torch.get_num_threads(),
+            repeats=repeats,
+        ),
+        "costs": costs,
+        "results": results,
+    }
     report["targets"] = evaluate_targets(report)
     return report
 
 
 def _result(config, batch_size, seconds, speedup, out, plain_out, cost, plain_ideal, num_layers, new_tokens):
-    row = dict(config, batch=batch_size, seconds=seconds, speedup=speedup,
-               identical=bool(torch.equal(out.sequences, plain_out.sequences)))
+    row = dict(
+        config,
+        batch=batch_size,
+        seconds=seconds,
+        speedup=speedup,
+        identical=bool(torch.equal(out.sequences, plain_out.sequences)),
+    )
     if config["mode"] == "ours":
         rounds = out.draft_lengths.tolist()
         ideal = plain_ideal / ideal_ms(cost, num_layers, new_tokens, config["exit_layer"], rounds)
-        row.update(acceptance=float(out.accepted_tokens.sum() / out.draft_tokens.sum().clamp_min(1)),
-                   tokens_per_round=float((out.accepted_tokens + out.verify_rounds).sum() / out.verify_rounds.sum()),
-                   rounds=len(rounds), ideal_speedup=ideal, realised_over_ideal=row["speedup"] / ideal)
+        row.update(
+            acceptance=float(out.accepted_tokens.sum() / out.draft_tokens.sum().clamp_min(1)),
+            tokens_per_round=float((out.accepted_tokens + out.verify_rounds).sum() / out.verify_rounds.sum()),
+            rounds=len(rounds),
+            ideal_speedup=ideal,
+            realised_over_ideal=row["speedup"] / ideal,
+        )
     return row
 
 
@@ -352,22 +498,39 @@ def evaluate_targets(report):
     theirs = [r for r in results if r["mode"] == "transformers"]
     if theirs:
         ratios = [ours[(r["profile"], r["exit_layer"], r["k"])]["speedup"] / r["speedup"] for r in theirs]
-        out.append(dict(target="ours >= transformers' assistant_early_exit at batch 1, every setting",
-                        value=f"min ratio {min(ratios):.2f}", met=min(ratios) >= 1.0))
+        out.append(
+            dict(
+                target="ours >= transformers' assistant_early_exit at batch 1, every setting",
+                value=f"min ratio {min(ratios):.2f}",
+                met=min(ratios) >= 1.0,
+            )
+        )
     measured = [r["realised_over_ideal"] for r in results if r["mode"] == "ours"]
-    out.append(dict(target=f"realised / ideal >= {TARGET_REALISED_OVER_IDEAL}",
-                    value=f"median {statistics.median(measured):.2f}, min {min(measured):.2f}",
-                    met=min(measured) >= TARGET_REALISED_OVER_IDEAL))
-    out.append(dict(target="identical output to plain greedy, every run",
-                    value=f"{sum(r['identical'] for r in results)} / {len(results)}",
-                    met=all(r["identical"] for r in results)))
+    out.append(
+        dict(
+            target=f"realised / ideal >= {TARGET_REALISED_OVER_IDEAL}",
+            value=f"median {statistics.median(measured):.2f}, min {min(measured):.2f}",
+            met=min(measured) >= TARGET_REALISED_OVER_IDEAL,
+        )
+    )
+    out.append(
+        dict(
+            target="identical output to plain greedy, every run",
+            value=f"{sum(r['identical'] for r in results)} / {len(results)}",
+            met=all(r["identical"] for r in results),
+        )
+    )
     wide = [r for r in results if r["mode"] == "ours" and r["batch"] > 1]
     if wide:
         best = max(wide, key=lambda r: r["speedup"])
-        out.append(dict(target="lossless early exit at batch > 1 (identical, any speed-up > 1)",
-                        value=f"best {best['speedup']:.2f}x ({best['profile']}, E={best['exit_layer']}, K={best['k']}, "
-                              f"batch {best['batch']})",
-                        met=all(r["identical"] for r in wide) and best["speedup"] > 1.0))
+        out.append(
+            dict(
+                target="lossless early exit at batch > 1 (identical, any speed-up > 1)",
+                value=f"best {best['speedup']:.2f}x ({best['profile']}, E={best['exit_layer']}, K={best['k']}, "
+                f"batch {best['batch']})",
+                met=all(r["identical"] for r in wide) and best["speedup"] > 1.0,
+            )
+        )
     return out
 
 
@@ -382,24 +545,38 @@ def _fmt(x, spec=".2f"):
 
 def format_table(report):
     s = report["settings"]
-    lines = [f"# Self-speculative decoding: {s['num_layers']} layers, exits {s['exit_layers']}, {s['new_tokens']} new "
-             f"tokens after a {s['prompt_tokens']}-token prompt, greedy, {s['threads']} threads", "",
-             "Speed-up: end to end over plain generate on the same weights (median over repeats of the ratio to its two neighbouring plain runs). "
-             "E: the 0-based exit layer that drafts (assistant_early_exit = E + 1). Ideal: under the cost model "
-             "measured in this run, for the rounds the run made.", "",
-             "| batch | implementation | drafts from | E | K | acceptance | tokens / round | speed-up | ideal | "
-             "realised / ideal | identical |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Self-speculative decoding: {s['num_layers']} layers, exits {s['exit_layers']}, {s['new_tokens']} new "
+        f"tokens after a {s['prompt_tokens']}-token prompt, greedy, {s['threads']} threads",
+        "",
+        "Speed-up: end to end over plain generate on the same weights (median over repeats of the ratio to its two "
+        "neighbouring plain runs). "
+        "E: the 0-based exit layer that drafts (assistant_early_exit = E + 1). Ideal: under the cost model "
+        "measured in this run, for the rounds the run made.",
+        "",
+        "| batch | implementation | drafts from | E | K | acceptance | tokens / round | speed-up | ideal | "
+        "realised / ideal | identical |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in report["results"]:
-        lines.append(f"| {r['batch']} | {r['mode']} | {r['profile']} | {r['exit_layer']} | {r['k']} | "
-                     f"{_fmt(r.get('acceptance'))} | {_fmt(r.get('tokens_per_round'))} | {r['speedup']:.2f} | "
-                     f"{_fmt(r.get('ideal_speedup'))} | {_fmt(r.get('realised_over_ideal'))} | "
-                     f"{'yes' if r['identical'] else 'NO'} |")
-    lines += ["", "| cost (ms) at batch | layer, 1 position | layer, K+1 positions | final head, 1 / K+1 | draft head | "
-              "prefill |", "|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {r['batch']} | {r['mode']} | {r['profile']} | {r['exit_layer']} | {r['k']} | "
+            f"{_fmt(r.get('acceptance'))} | {_fmt(r.get('tokens_per_round'))} | {r['speedup']:.2f} | "
+            f"{_fmt(r.get('ideal_speedup'))} | {_fmt(r.get('realised_over_ideal'))} | "
+            f"{'yes' if r['identical'] else 'NO'} |"
+        )
+    lines += [
+        "",
+        "| cost (ms) at batch | layer, 1 position | layer, K+1 positions | final head, 1 / K+1 | draft head | "
+        "prefill |",
+        "|---|---|---|---|---|---|",
+    ]
     for batch, c in report["costs"].items():
         top = max(c["layer"])
-        lines.append(f"| {batch} | {c['layer'][1]:.2f} | {c['layer'][top]:.2f} ({top}) | {c['final_head'][1]:.2f} / "
-                     f"{c['final_head'][top]:.2f} | {c['draft_head']:.2f} | {c['prefill']:.1f} |")
+        lines.append(
+            f"| {batch} | {c['layer'][1]:.2f} | {c['layer'][top]:.2f} ({top}) | {c['final_head'][1]:.2f} / "
+            f"{c['final_head'][top]:.2f} | {c['draft_head']:.2f} | {c['prefill']:.1f} |"
+        )
     lines += ["", "| target | value | met |", "|---|---|---|"]
     lines += [f"| {t['target']} | {t['value']} | {'yes' if t['met'] else 'no'} |" for t in report["targets"]]
     return "\n".join(lines) + "\n"
@@ -416,19 +593,33 @@ def _float_list(text):
 def build_parser():
     parser = argparse.ArgumentParser(prog="ee-transformers bench-speculative", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="an early-exit folder, or a plain one with --exit-layers")
-    parser.add_argument("--exit-layers", type=_int_list, default=None,
-                        help="convert a plain folder with these exits (e.g. 7,15,23); default: the folder's own")
+    parser.add_argument(
+        "--exit-layers",
+        type=_int_list,
+        default=None,
+        help="convert a plain folder with these exits (e.g. 7,15,23); default: the folder's own",
+    )
     parser.add_argument("--exits", type=_int_list, default=None, help="the exits that draft (default: all)")
     parser.add_argument("--ks", type=_int_list, default=[2, 4], help="draft lengths K (num_assistant_tokens)")
     parser.add_argument("--batch-sizes", type=_int_list, default=[1, 8])
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=1, help="interleaved repeats (median of paired ratios)")
     parser.add_argument("--prompt-tokens", type=int, default=64)
-    parser.add_argument("--threshold", type=float, default=0.4,
-                        help="assistant_confidence_threshold for the real heads (transformers' default 0.4)")
-    parser.add_argument("--forced", type=_float_list, default=[1.0, 0.6],
-                        help="forced acceptance rates (pass-through copies); empty string for none")
-    parser.add_argument("--forced-exits", type=_int_list, default=None, help="exits of the forced profiles (default: all)")
+    parser.add_argument(
+        "--threshold",
+        type=float,
+        default=0.4,
+        help="assistant_confidence_threshold for the real heads (transformers' default 0.4)",
+    )
+    parser.add_argument(
+        "--forced",
+        type=_float_list,
+        default=[1.0, 0.6],
+        help="forced acceptance rates (pass-through copies); empty string for none",
+    )
+    parser.add_argument(
+        "--forced-exits", type=_int_list, default=None, help="exits of the forced profiles (default: all)"
+    )
     parser.add_argument("--no-transformers", action="store_true", help="skip transformers' own assistant_early_exit")
     parser.add_argument("--random-prompts", action="store_true", help="random token prompts (no text assets)")
     parser.add_argument("--threads", type=int, default=None)
@@ -446,9 +637,21 @@ def main(argv=None):
     else:
         prompts = heldout_prompts(ee_model.tokenizer, num_prompts=max(8, *args.batch_sizes), window=args.prompt_tokens)
     start = time.perf_counter()
-    report = run_benchmark(ee_model, plain_model, prompts, args.batch_sizes, args.exits, args.ks, args.new_tokens,
-                           args.threshold, args.forced, not args.no_transformers, repeats=args.repeats,
-                           forced_exits=args.forced_exits, log=lambda m: print(m, flush=True))
+    report = run_benchmark(
+        ee_model,
+        plain_model,
+        prompts,
+        args.batch_sizes,
+        args.exits,
+        args.ks,
+        args.new_tokens,
+        args.threshold,
+        args.forced,
+        not args.no_transformers,
+        repeats=args.repeats,
+        forced_exits=args.forced_exits,
+        log=lambda m: print(m, flush=True),
+    )
     report["command"] = "ee-transformers bench-speculative " + " ".join(sys.argv[1:] if argv is None else argv)
     report["model"] = str(args.model)
     report["wall_seconds"] = time.perf_counter() - start

@@ -13,33 +13,63 @@ from ee_transformers.tools.arguments import ArgumentParser, InputError, comma_li
 SUBCOMMANDS = {
     "convert": ("ee_transformers.tools.cli", "convert_main", "build an early-exit folder from a plain checkpoint"),
     "fetch-assets": ("ee_transformers.tools.assets", "main", "fetch SmolLM2-135M and real English text (cached)"),
-    "fit": ("ee_transformers.training.fit_exit_heads", "main", "fit exit heads (same as python -m ee_transformers.training.fit_exit_heads)"),
+    "fit": (
+        "ee_transformers.training.fit_exit_heads",
+        "main",
+        "fit exit heads (same as python -m ee_transformers.training.fit_exit_heads)",
+    ),
     "calibrate": ("ee_transformers.training.calibrate", "main", "choose exits and thresholds for a quality target"),
-    "profile": ("ee_transformers.tools.profile", "main",
-                "where tokens exit under the stored settings; recommend exit_max_layer for a lean model"),
-    "bench": ("ee_transformers.tools.bench", "main", "benchmark early exit against plain transformers generate "
-              "(with --memory-budget: lean HELIOS models, see bench-lean)"),
-    "bench-lean": ("ee_transformers.tools.bench_lean", "main",
-                   "full vs lean (HELIOS) at the largest batch each fits in a memory budget"),
-    "bench-speculative": ("ee_transformers.tools.bench_speculative", "main",
-                          "lossless self-speculative decoding vs plain and transformers' assistant_early_exit"),
-    "bench-pool": ("ee_transformers.tools.bench_pool", "main",
-                   "a pool of early-exit models switched by their exit profiles vs each model alone"),
-    "demo": ("ee_transformers.tools.demo", "main", "the main job: fetch, convert, fit, calibrate, compare side by side"),
+    "profile": (
+        "ee_transformers.tools.profile",
+        "main",
+        "where tokens exit under the stored settings; recommend exit_max_layer for a lean model",
+    ),
+    "bench": (
+        "ee_transformers.tools.bench",
+        "main",
+        "benchmark early exit against plain transformers generate "
+        "(with --memory-budget: lean HELIOS models, see bench-lean)",
+    ),
+    "bench-lean": (
+        "ee_transformers.tools.bench_lean",
+        "main",
+        "full vs lean (HELIOS) at the largest batch each fits in a memory budget",
+    ),
+    "bench-speculative": (
+        "ee_transformers.tools.bench_speculative",
+        "main",
+        "lossless self-speculative decoding vs plain and transformers' assistant_early_exit",
+    ),
+    "bench-pool": (
+        "ee_transformers.tools.bench_pool",
+        "main",
+        "a pool of early-exit models switched by their exit profiles vs each model alone",
+    ),
+    "demo": (
+        "ee_transformers.tools.demo",
+        "main",
+        "the main job: fetch, convert, fit, calibrate, compare side by side",
+    ),
 }
 
 
 def convert_main(argv=None):
-    parser = ArgumentParser(prog="ee-transformers convert",
-                            description="Build an early-exit model folder from a plain checkpoint folder.")
+    parser = ArgumentParser(
+        prog="ee-transformers convert", description="Build an early-exit model folder from a plain checkpoint folder."
+    )
     parser.add_argument("base", help="plain checkpoint folder of a supported family (see README: Families)")
     parser.add_argument("out", help="output folder (loads with trust_remote_code=True; written atomically)")
-    parser.add_argument("--exit-layers", required=True, type=comma_list(int),
-                        help="comma-separated 0-based decoder layers after which an exit head sits, e.g. 7,15,22")
+    parser.add_argument(
+        "--exit-layers",
+        required=True,
+        type=comma_list(int),
+        help="comma-separated 0-based decoder layers after which an exit head sits, e.g. 7,15,22",
+    )
     parser.add_argument("--exit-head", default="norm", choices=["norm", "adapter"])
     parser.add_argument("--exit-adapter-rank", type=int, default=64)
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing output folder that "
-                        "ee-transformers wrote")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace an existing output folder that ee-transformers wrote"
+    )
     return run_command(parser, _convert, argv)
 
 
@@ -52,8 +82,9 @@ def _convert(args):
         raise InputError(f"`--exit-layers` names no layer ({args.exit_layers!r}): give one or more, e.g. 7,15,22.")
     read_config(args.base, "base")
     check_weights(args.base, "base")
-    model = from_base(args.base, exit_layers=args.exit_layers, exit_head=args.exit_head,
-                      exit_adapter_rank=args.exit_adapter_rank)
+    model = from_base(
+        args.base, exit_layers=args.exit_layers, exit_head=args.exit_head, exit_adapter_rank=args.exit_adapter_rank
+    )
     with out.writing("convert") as folder:
         model.save_pretrained(folder)
     print(f"Wrote {args.out}: {type(model).__name__} with exits after layers {model.config.exit_layers}")

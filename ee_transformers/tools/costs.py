@@ -98,34 +98,51 @@ def _measure_rows(model, rows, prompt_length, context, repeats, seed):
     confidence = getattr(model, "confidence_heads", None)
     pieces = {
         # the prompt through every layer, plus the final head at its last position
-        "prefill": (lambda: fam.head_logits(model, decoder(input_ids=prompt, cache=DynamicCache(config=config),
-                                                           use_cache=True).last_hidden_state[:, -1]),
-                    None, 10),
+        "prefill": (
+            lambda: fam.head_logits(
+                model,
+                decoder(input_ids=prompt, cache=DynamicCache(config=config), use_cache=True).last_hidden_state[:, -1],
+            ),
+            None,
+            10,
+        ),
         "layer": layer_piece(1),
         # deferred KV: a token that skipped a layer rides along as one more query of a later step at that layer
         "layer_q2": layer_piece(2),
         # what a logit criterion pays per check: exit head, LM head, softmax, the decision (a host sync)
-        "head_check": (lambda: model.exit_logits_from_hidden(exit_index, last).float().softmax(-1).max(-1)
-                       .values.ge(0.5).nonzero(), None, 1),
+        "head_check": (
+            lambda: (
+                model.exit_logits_from_hidden(exit_index, last).float().softmax(-1).max(-1).values.ge(0.5).nonzero()
+            ),
+            None,
+            1,
+        ),
         "head": (lambda: model.exit_logits_from_hidden(exit_index, last), None, 1),
         "final_head": (lambda: fam.head_logits(model, fam.final_norm(model)(last)), None, 1),
         "decision": (lambda: (targets.index_select(0, index) <= 1).nonzero(), None, 1),
-        "cosine_check": (lambda: nn.functional.cosine_similarity(last.float(), last.float(), dim=-1).ge(0.9)
-                         .nonzero(), None, 1),
+        "cosine_check": (
+            lambda: nn.functional.cosine_similarity(last.float(), last.float(), dim=-1).ge(0.9).nonzero(),
+            None,
+            1,
+        ),
         # one skipped layer's K/V for the exited rows: input norm, K/V projections, rotary
         "backfill": (lambda: fam.key_value(model, next_skipped(), h, inputs), None, 1),
     }
     if confidence is not None:
-        pieces["learned_check"] = (lambda: confidence[exit_index](model.exit_heads[exit_index](last)).ge(0.5)
-                                   .nonzero(), None, 1)
+        pieces["learned_check"] = (
+            lambda: confidence[exit_index](model.exit_heads[exit_index](last)).ge(0.5).nonzero(),
+            None,
+            1,
+        )
     out = _time_round_robin(pieces, device, max(repeats, num_layers))
     out["deferred_extra"] = max(out.pop("layer_q2") - out["layer"], 0.0)
     out.setdefault("learned_check", out["cosine_check"])
     return out
 
 
-def measure_costs(model, batch_size: int = 1, prompt_length: int = 64, context: int = 128, repeats: int = 30,
-                  seed: int = 0) -> dict:
+def measure_costs(
+    model, batch_size: int = 1, prompt_length: int = 64, context: int = 128, repeats: int = 30, seed: int = 0
+) -> dict:
     """Measures the cost pieces of early-exit decoding on `model` (an early-exit model) at `batch_size` rows.
 
     Returns `{"batch_size", "num_layers", "context", "ms": {name: {rows: ms}}, "layer_equivalents": {name: value}}`,
@@ -179,8 +196,9 @@ def _check_cost_name(criterion: str, needs_logits: bool) -> str:
     return {"cosine": "cosine_check", "learned": "learned_check"}.get(criterion, "decision")
 
 
-def step_cost(costs: dict, exits, check_layers, criterion: str, needs_logits: bool = False,
-              kv: str = "immediate") -> float:
+def step_cost(
+    costs: dict, exits, check_layers, criterion: str, needs_logits: bool = False, kv: str = "immediate"
+) -> float:
     """ms of one decoding step whose rows exit at decoder layers `exits` (a list; num_layers-1 = full depth).
 
     A layer runs for the rows still going; each checked layer a row reaches costs one check for it (a logit criterion
@@ -221,8 +239,15 @@ def _prefill_extra(costs, exits, check_layers, criterion, needs_logits):
     return extra
 
 
-def ideal_speedup(costs: dict, exit_layers: torch.Tensor, check_layers, criterion: str, needs_logits: bool = False,
-                  kv: str = "immediate", include_prefill: bool = True) -> float:
+def ideal_speedup(
+    costs: dict,
+    exit_layers: torch.Tensor,
+    check_layers,
+    criterion: str,
+    needs_logits: bool = False,
+    kv: str = "immediate",
+    include_prefill: bool = True,
+) -> float:
     """Full-depth cost / early-exit cost of a generation whose `exit_layers` `(batch, steps)` were measured.
 
     include_prefill: count step 0 (the prefill and its exit checks); False compares the decoding steps only."""
@@ -232,8 +257,9 @@ def ideal_speedup(costs: dict, exit_layers: torch.Tensor, check_layers, criterio
     # its exits at the last position, which is all it adds there
     full = ee = interp(costs, "prefill", rows) if steps and include_prefill else 0.0
     if steps and include_prefill:
-        ee += _prefill_extra(costs, [exit_layers[r][0] for r in range(rows)], list(check_layers), criterion,
-                             needs_logits)
+        ee += _prefill_extra(
+            costs, [exit_layers[r][0] for r in range(rows)], list(check_layers), criterion, needs_logits
+        )
     for t in range(1, steps):
         exits = [exit_layers[r][t] for r in range(rows)]
         full += full_step_cost(costs, rows)

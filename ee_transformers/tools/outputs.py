@@ -74,12 +74,13 @@ class OutputFolder:
         if self.in_place or not path.is_dir() or not os.listdir(path):
             return
         if not self.overwrite:
-            self._refuse("already exists and is not empty: pass `--overwrite` to replace it, or choose another "
-                         "folder.")
+            self._refuse("already exists and is not empty: pass `--overwrite` to replace it, or choose another folder.")
         if read_manifest(path) is None:
-            self._refuse(f"was not written by an ee-transformers command (no {MANIFEST}): `--overwrite` only "
-                         "replaces such folders, so nothing of yours is lost; empty it yourself or choose another "
-                         "folder.")
+            self._refuse(
+                f"was not written by an ee-transformers command (no {MANIFEST}): `--overwrite` only "
+                "replaces such folders, so nothing of yours is lost; empty it yourself or choose another "
+                "folder."
+            )
 
     def clean_stale(self) -> None:
         clean_stale(self.path, self.argument)
@@ -109,11 +110,16 @@ class OutputFolder:
                 users = set(os.listdir(self.path)) - set(read_manifest(self.path) or ()) - {MANIFEST}
                 clash = sorted(users & set(os.listdir(tmp)))
                 if clash:
-                    self._refuse(f"holds {clash}, which no ee-transformers command wrote and which this one would "
-                                 "replace: move them away and run again (nothing was changed).")
+                    self._refuse(
+                        f"holds {clash}, which no ee-transformers command wrote and which this one would "
+                        "replace: move them away and run again (nothing was changed)."
+                    )
                 _carry(self.path, tmp, skip=set(), only=users, link=True)
-            record = {"written_by": f"ee-transformers {command}" if command else "ee-transformers",
-                      "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "entries": sorted(ours)}
+            record = {
+                "written_by": f"ee-transformers {command}" if command else "ee-transformers",
+                "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                "entries": sorted(ours),
+            }
             (tmp / MANIFEST).write_text(json.dumps(record, indent=1) + "\n")
             replace_folder(tmp, self.path)
         except BaseException:
@@ -135,8 +141,10 @@ def clean_stale(path, argument: str = "--out") -> None:
             continue
         kind, pid = match.group(1), int(match.group(2))
         if pid != os.getpid() and process_alive(pid):
-            raise InputError(f"`{argument}` {str(path)!r} is being written by another process (pid {pid}); wait for "
-                             f"it to finish, or remove {str(entry)!r} if it is not an ee-transformers command.")
+            raise InputError(
+                f"`{argument}` {str(path)!r} is being written by another process (pid {pid}); wait for "
+                f"it to finish, or remove {str(entry)!r} if it is not an ee-transformers command."
+            )
         if kind == "old" and not path.exists():
             os.replace(entry, path)  # the new folder was never put in place: the old one is still current
         else:

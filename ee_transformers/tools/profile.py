@@ -81,25 +81,37 @@ class ExitProfile:
     def recommend(self, coverage: float = 0.95) -> int:
         """The shallowest exit whose coverage reaches `coverage`, else the last layer (load everything)."""
         if isinstance(coverage, bool) or not isinstance(coverage, (int, float)) or not 0 < coverage <= 1:
-            raise ValueError(f"`coverage` must be a share of tokens: allowed values are 0 < coverage <= 1, got "
-                             f"{coverage!r}.")
+            raise ValueError(
+                f"`coverage` must be a share of tokens: allowed values are 0 < coverage <= 1, got {coverage!r}."
+            )
         return next((d for d, share in self.coverage.items() if share >= coverage - 1e-12), self.num_layers - 1)
 
     def to_dict(self) -> dict:
-        return {"num_layers": self.num_layers, "exit_layers": list(self.exit_layers), "num_tokens": self.num_tokens,
-                "texts": self.texts, "window": self.window, "settings": self.settings,
-                "histogram": {str(k): v for k, v in sorted(self.histogram.items())},
-                "rates": {str(k): v for k, v in self.rates.items()},
-                "coverage": {str(k): v for k, v in self.coverage.items()},
-                "agreement": {str(k): v for k, v in self.agreement.items()},
-                "recommend": {str(c): self.recommend(c) for c in (0.8, 0.9, 0.95, 0.99)}}
+        return {
+            "num_layers": self.num_layers,
+            "exit_layers": list(self.exit_layers),
+            "num_tokens": self.num_tokens,
+            "texts": self.texts,
+            "window": self.window,
+            "settings": self.settings,
+            "histogram": {str(k): v for k, v in sorted(self.histogram.items())},
+            "rates": {str(k): v for k, v in self.rates.items()},
+            "coverage": {str(k): v for k, v in self.coverage.items()},
+            "agreement": {str(k): v for k, v in self.agreement.items()},
+            "recommend": {str(c): self.recommend(c) for c in (0.8, 0.9, 0.95, 0.99)},
+        }
 
     @classmethod
     def from_dict(cls, data: dict) -> "ExitProfile":
-        return cls(num_layers=data["num_layers"], exit_layers=list(data["exit_layers"]),
-                   histogram={int(k): v for k, v in data["histogram"].items()}, settings=data.get("settings", {}),
-                   agreement={int(k): v for k, v in data.get("agreement", {}).items()},
-                   texts=data.get("texts", 0), window=data.get("window", 0))
+        return cls(
+            num_layers=data["num_layers"],
+            exit_layers=list(data["exit_layers"]),
+            histogram={int(k): v for k, v in data["histogram"].items()},
+            settings=data.get("settings", {}),
+            agreement={int(k): v for k, v in data.get("agreement", {}).items()},
+            texts=data.get("texts", 0),
+            window=data.get("window", 0),
+        )
 
     @classmethod
     def load(cls, path) -> "ExitProfile":
@@ -108,15 +120,22 @@ class ExitProfile:
         return cls.from_dict(json.loads((path / PROFILE_FILE if path.is_dir() else path).read_text()))
 
     def __str__(self):
-        rows = ", ".join(f"{d}: {100 * r:.1f}%" + (f" (agreement {self.agreement[d]:.3f})" if d in self.agreement
-                                                     else "") for d, r in self.rates.items())
-        return (f"{self.num_tokens} tokens from {self.texts} texts; decided at {{{rows}}}; recommended exit_max_layer "
-                f"{self.recommend(0.95)} (95% coverage), {self.recommend(0.9)} (90%)")
+        rows = ", ".join(
+            f"{d}: {100 * r:.1f}%" + (f" (agreement {self.agreement[d]:.3f})" if d in self.agreement else "")
+            for d, r in self.rates.items()
+        )
+        return (
+            f"{self.num_tokens} tokens from {self.texts} texts; decided at {{{rows}}}; recommended exit_max_layer "
+            f"{self.recommend(0.95)} (95% coverage), {self.recommend(0.9)} (90%)"
+        )
 
 
 def _json_settings(settings) -> dict:
-    return {"criterion": settings.criterion.name, "thresholds": {str(k): v for k, v in settings.thresholds.items()},
-            "patience": settings.patience}
+    return {
+        "criterion": settings.criterion.name,
+        "thresholds": {str(k): v for k, v in settings.thresholds.items()},
+        "patience": settings.patience,
+    }
 
 
 def _windows(tokenizer, texts, window):
@@ -124,8 +143,8 @@ def _windows(tokenizer, texts, window):
     for text in texts:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         for start in range(0, len(ids), window):
-            if len(ids[start:start + window]) >= 2:
-                yield ids[start:start + window]
+            if len(ids[start : start + window]) >= 2:
+                yield ids[start : start + window]
 
 
 @torch.no_grad()
@@ -140,8 +159,9 @@ def decide_positions(model, settings, hidden_states, chunk=1024) -> torch.Tensor
         state = StepState(settings, stop - start, decided.device, None)
         for j in settings.check_layers:
             h_out, h_in = hidden_states[j + 1][start:stop], hidden_states[j][start:stop]
-            confident, _, _ = check_exit(model, settings, j, h_out.index_select(0, rows),
-                                         h_in.index_select(0, rows), rows, state)
+            confident, _, _ = check_exit(
+                model, settings, j, h_out.index_select(0, rows), h_in.index_select(0, rows), rows, state
+            )
             decided[start:stop].index_fill_(0, rows[confident], j)
             rows = rows[~confident]
             if rows.numel() == 0:
@@ -161,8 +181,11 @@ def lean_agreement(model, hidden_states, decided, chunk=512) -> dict:
     for start in range(0, decided.numel(), chunk):
         rows = slice(start, start + chunk)
         full = model.family.head_logits(model, hidden_states[-1][rows]).argmax(-1)  # the last entry is after the norm
-        argmax = torch.stack([model.exit_logits_from_hidden(i, hidden_states[e + 1][rows]).argmax(-1)
-                              for i, e in enumerate(exits)] + [full], dim=1)  # (n, depths)
+        argmax = torch.stack(
+            [model.exit_logits_from_hidden(i, hidden_states[e + 1][rows]).argmax(-1) for i, e in enumerate(exits)]
+            + [full],
+            dim=1,
+        )  # (n, depths)
         for d in depths:
             used = column[decided[rows].clamp(max=d)]
             agree[d] += int((argmax.gather(1, used[:, None]).squeeze(1) == full).sum())
@@ -170,8 +193,18 @@ def lean_agreement(model, hidden_states, decided, chunk=512) -> dict:
 
 
 @torch.no_grad()
-def profile_exits(model, tokenizer, texts, batch_size: int = 8, window: int = 256, max_tokens: int | None = None,
-                  out_dir=None, write: bool = True, progress: bool = True, **exit_settings) -> ExitProfile:
+def profile_exits(
+    model,
+    tokenizer,
+    texts,
+    batch_size: int = 8,
+    window: int = 256,
+    max_tokens: int | None = None,
+    out_dir=None,
+    write: bool = True,
+    progress: bool = True,
+    **exit_settings,
+) -> ExitProfile:
     """Profiles the model's stored exit settings (or the given `exit_criterion=...`, ...) over `texts`, teacher-forced.
 
     `window`: tokens per teacher-forced window; `max_tokens`: profile only the first windows that hold at least that
@@ -183,12 +216,16 @@ def profile_exits(model, tokenizer, texts, batch_size: int = 8, window: int = 25
     if unknown:
         raise ValueError(f"Unknown exit setting(s) {unknown}: allowed names are {list(EXIT_FIELDS)}.")
     if is_lean(model):
-        raise ValueError(f"`model` holds decoder layers 0..{model.exit_max_layer} only; profile the fully loaded model "
-                         f"(`model.set_exit_max_layer({model.config.num_hidden_layers - 1})`).")
+        raise ValueError(
+            f"`model` holds decoder layers 0..{model.exit_max_layer} only; profile the fully loaded model "
+            f"(`model.set_exit_max_layer({model.config.num_hidden_layers - 1})`)."
+        )
     settings = resolve_exit_settings(model.config, merged_exit_values(model, None, dict(exit_settings)))
     if settings is None:
-        raise ValueError("No exit settings to profile: pass `exit_criterion` and `exit_threshold`, or store them in "
-                         "`model.generation_config` (calibration does).")
+        raise ValueError(
+            "No exit settings to profile: pass `exit_criterion` and `exit_threshold`, or store them in "
+            "`model.generation_config` (calibration does)."
+        )
     settings = dataclasses.replace(settings, policy="row")  # each token decides for itself
     if isinstance(texts, str):
         texts = [texts]
@@ -209,7 +246,7 @@ def profile_exits(model, tokenizer, texts, batch_size: int = 8, window: int = 25
 
         batches = tqdm(batches, desc="profiling exits", unit="batch")
     for b in batches:
-        rows = windows[b:b + batch_size]
+        rows = windows[b : b + batch_size]
         length = max(map(len, rows))
         ids = torch.full((len(rows), length), pad, dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -223,10 +260,15 @@ def profile_exits(model, tokenizer, texts, batch_size: int = 8, window: int = 25
         for d, n in lean_agreement(model, hidden, decided).items():
             agree[d] = agree.get(d, 0) + n
     total = int(counts.sum())
-    profile = ExitProfile(num_layers=model.config.num_hidden_layers, exit_layers=list(model.config.exit_layers),
-                          histogram={j: int(c) for j, c in enumerate(counts.tolist()) if c},
-                          settings=_json_settings(settings), agreement={d: n / total for d, n in agree.items()},
-                          texts=len(texts), window=window)
+    profile = ExitProfile(
+        num_layers=model.config.num_hidden_layers,
+        exit_layers=list(model.config.exit_layers),
+        histogram={j: int(c) for j, c in enumerate(counts.tolist()) if c},
+        settings=_json_settings(settings),
+        agreement={d: n / total for d, n in agree.items()},
+        texts=len(texts),
+        window=window,
+    )
     if write:
         if out_dir is not None:
             write_profile(profile, out_dir)
@@ -253,18 +295,31 @@ def plot_profile(profile: ExitProfile, path):
     depths = profile.depths
     fig, ax = plt.subplots(figsize=(6, 3.6))
     ax.bar(range(len(depths)), [profile.rates[d] for d in depths], color="C0", label="decided here")
-    ax.plot(range(len(depths)), [profile.coverage[d] for d in depths], "o-", color="C1",
-            label="coverage with exit_max_layer here")
+    ax.plot(
+        range(len(depths)),
+        [profile.coverage[d] for d in depths],
+        "o-",
+        color="C1",
+        label="coverage with exit_max_layer here",
+    )
     if profile.agreement:
-        ax.plot(range(len(depths)), [profile.agreement[d] for d in depths], "s--", color="C2",
-                label="agreement with full depth (teacher-forced)")
+        ax.plot(
+            range(len(depths)),
+            [profile.agreement[d] for d in depths],
+            "s--",
+            color="C2",
+            label="agreement with full depth (teacher-forced)",
+        )
     ax.axhline(0.95, color="gray", lw=0.8, ls="--")
     ax.set_xticks(range(len(depths)), [str(d) for d in depths])
     ax.set_xlabel("decoder layer (exits, then the last layer)")
     ax.set_ylabel("share of tokens")
     ax.set_ylim(0, 1.02)
-    ax.set_title(f"{profile.num_tokens} tokens, {profile.settings.get('criterion', '?')}; recommended "
-                 f"exit_max_layer {profile.recommend(0.95)} at 95%", fontsize=9)
+    ax.set_title(
+        f"{profile.num_tokens} tokens, {profile.settings.get('criterion', '?')}; recommended "
+        f"exit_max_layer {profile.recommend(0.95)} at 95%",
+        fontsize=9,
+    )
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
@@ -288,29 +343,45 @@ def main(argv=None):
     parser.add_argument("--exit-patience", type=int, default=None)
     parser.add_argument("--window", type=int, default=256, help="tokens per teacher-forced window")
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=None,
-                        help="profile the first windows that hold at least this many tokens")
+    parser.add_argument(
+        "--max-tokens", type=int, default=None, help="profile the first windows that hold at least this many tokens"
+    )
     parser.add_argument("--coverage", type=float, default=0.95, help="target share for the recommendation")
     parser.add_argument("--out", default=None, help="where to write exit_profile.json/.png (default: the folder)")
     args = parser.parse_args(argv)
     from ee_transformers.convert import from_base
 
     exit_layers = [int(x) for x in args.exit_layers.split(",")] if args.exit_layers else None
-    overrides = {k: v for k, v in dict(exit_criterion=args.exit_criterion, exit_threshold=args.exit_threshold,
-                                       exit_patience=args.exit_patience).items() if v is not None}
+    overrides = {
+        k: v
+        for k, v in dict(
+            exit_criterion=args.exit_criterion, exit_threshold=args.exit_threshold, exit_patience=args.exit_patience
+        ).items()
+        if v is not None
+    }
     try:
         model = from_base(args.folder, exit_layers=exit_layers).eval()
         if model.tokenizer is None:
             raise ValueError(f"`folder` {args.folder!r} holds no tokenizer.")
         texts = [Path(p).read_text(encoding="utf-8", errors="replace") for p in args.data]
-        profile = profile_exits(model, model.tokenizer, texts, batch_size=args.batch_size, window=args.window,
-                                max_tokens=args.max_tokens, out_dir=args.out or args.folder, **overrides)
+        profile = profile_exits(
+            model,
+            model.tokenizer,
+            texts,
+            batch_size=args.batch_size,
+            window=args.window,
+            max_tokens=args.max_tokens,
+            out_dir=args.out or args.folder,
+            **overrides,
+        )
         recommended = profile.recommend(args.coverage)
     except ValueError as error:
         parser.exit(2, f"ee-transformers profile: error: {error}\n")
     print(profile)
-    print(f"exit_max_layer for {100 * args.coverage:g}% coverage: {recommended}; wrote "
-          f"{Path(args.out or args.folder) / PROFILE_FILE}")
+    print(
+        f"exit_max_layer for {100 * args.coverage:g}% coverage: {recommended}; wrote "
+        f"{Path(args.out or args.folder) / PROFILE_FILE}"
+    )
     return 0
 
 

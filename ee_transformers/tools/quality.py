@@ -1,12 +1,14 @@
 """The quality measures of early exit: one name and one definition each, used alike by `calibrate`, `bench`, the demo
 and the model cards.
 
-| name | definition |
-|---|---|
-| per-token agreement | share of early-exit tokens the full model also chooses at that position, given the early-exit text so far (its own prefix; CALM's per-token consistency). Calibration targets it (teacher-forced on held-out text, or really decoded). |
-| identical-token share | share of positions where the early-exit text equals full-depth greedy text. One early difference changes the rest of a text, so this is far below per-token agreement. |
-| tokens to first divergence | generated tokens before the first position that differs from full-depth greedy text. |
-| continuation perplexity | the full model's perplexity of the early-exit continuation, next to its perplexity of its own continuation: a task-level measure that does not punish a different but equally likely text. |
+- **per-token agreement**: share of early-exit tokens the full model also chooses at that position, given the
+  early-exit text so far (its own prefix; CALM's per-token consistency). Calibration targets it (teacher-forced on
+  held-out text, or really decoded).
+- **identical-token share**: share of positions where the early-exit text equals full-depth greedy text. One early
+  difference changes the rest of a text, so this is far below per-token agreement.
+- **tokens to first divergence**: generated tokens before the first position that differs from full-depth greedy text.
+- **continuation perplexity**: the full model's perplexity of the early-exit continuation, next to its perplexity of
+  its own continuation: a task-level measure that does not punish a different but equally likely text.
 """
 
 import math
@@ -20,9 +22,11 @@ QUALITY_MEASURES = {
     "continuation_ppl": "full model's perplexity of the continuation",
 }
 
-EXPLAINER = ("Per-token agreement asks, at each generated position, whether the full model would have chosen the same "
-             "token given the text so far (what calibration targets); identical-token share compares whole texts "
-             "with full-depth output, where one early difference changes everything after it.")
+EXPLAINER = (
+    "Per-token agreement asks, at each generated position, whether the full model would have chosen the same "
+    "token given the text so far (what calibration targets); identical-token share compares whole texts "
+    "with full-depth output, where one early difference changes everything after it."
+)
 
 
 def _valid_mask(new_tokens: torch.Tensor, eos_ids=()) -> torch.Tensor:
@@ -41,7 +45,7 @@ def full_model_view(full_model, sequences: torch.Tensor, prompt_length: int, att
     if attention_mask is not None:
         pad = torch.ones(new.shape, dtype=attention_mask.dtype, device=attention_mask.device)
         attention_mask = torch.cat([attention_mask, pad], dim=1)
-    logits = full_model(input_ids=sequences, attention_mask=attention_mask).logits[:, prompt_length - 1:-1].float()
+    logits = full_model(input_ids=sequences, attention_mask=attention_mask).logits[:, prompt_length - 1 : -1].float()
     valid = _valid_mask(new, eos_ids)
     agree = (logits.argmax(-1) == new) & valid
     logp = logits.log_softmax(-1).gather(-1, new[..., None]).squeeze(-1)

@@ -29,21 +29,27 @@ Python use:
 import dataclasses
 import itertools
 import json
-import statistics
 import os
+import statistics
 import sys
 from dataclasses import dataclass, field
 
 import torch
 from torch.nn import functional as F
 
-from ee_transformers.generation_early_exit import EXIT_CRITERIA
-from ee_transformers.tools.arguments import (ArgumentParser, InputError, add_config_arguments, check_fields,
-                                             config_from_args, flag_names, run_command)
+from ee_transformers.generation_early_exit import EXIT_CRITERIA, LOGIT_CRITERIA, logit_score
+from ee_transformers.tools.arguments import (
+    ArgumentParser,
+    InputError,
+    add_config_arguments,
+    check_fields,
+    config_from_args,
+    flag_names,
+    run_command,
+)
 from ee_transformers.tools.costs import measure_costs as measure_cost_pieces
 from ee_transformers.tools.quality import full_model_view
 from ee_transformers.training.guarantee import learn_then_test
-from ee_transformers.generation_early_exit import LOGIT_CRITERIA, logit_score
 
 CRITERIA = tuple(EXIT_CRITERIA)  # the built-in criteria (a benchmark may register more)
 
@@ -54,50 +60,95 @@ class CalibrationConfig:
     """Settings of one calibration; `__post_init__` raises `ValueError` naming a bad field. Limits that depend on the
     model (`block_size`, `verify_prompt_length`, `verify_new_tokens`) default to what fits it: see `for_model`."""
 
-    criterion: str = field(default="max_prob", metadata={"help": "the exit criterion calibrated",
-                                                         "choices": tuple(CRITERIA)})
-    target_agreement: float = field(default=0.95, metadata={
-        "help": "greedy agreement with full depth to reach", "above": 0, "max": 1})
-    policy: str = field(default="batch", metadata={"help": "exit policy decoding will use",
-                                                   "choices": ("batch", "row")})
-    patience: int = field(default=0, metadata={"help": "stable-token exits over k checked exits (0 = off, else >= 2)",
-                                               "min": 0})
-    kv: str = field(default="immediate", metadata={"help": "K/V of skipped layers", "choices": ("immediate",
-                                                                                                  "deferred")})
-    block_size: int | None = field(default=None, metadata={
-        "help": "tokens per held-out block when calibrating on text (default: min(256, the model's positions))",
-        "min": 2})
+    criterion: str = field(
+        default="max_prob", metadata={"help": "the exit criterion calibrated", "choices": tuple(CRITERIA)}
+    )
+    target_agreement: float = field(
+        default=0.95, metadata={"help": "greedy agreement with full depth to reach", "above": 0, "max": 1}
+    )
+    policy: str = field(
+        default="batch", metadata={"help": "exit policy decoding will use", "choices": ("batch", "row")}
+    )
+    patience: int = field(
+        default=0, metadata={"help": "stable-token exits over k checked exits (0 = off, else >= 2)", "min": 0}
+    )
+    kv: str = field(
+        default="immediate", metadata={"help": "K/V of skipped layers", "choices": ("immediate", "deferred")}
+    )
+    block_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "tokens per held-out block when calibrating on text (default: min(256, the model's positions))",
+            "min": 2,
+        },
+    )
     max_blocks: int = field(default=64, metadata={"help": "use at most this many held-out blocks", "min": 2})
     batch_size: int = field(default=4, metadata={"help": "blocks per forward pass while collecting scores", "min": 1})
-    decode_batch_size: int = field(default=1, metadata={
-        "help": "batch size decoding will run at: costs are measured there, and with policy batch rows are simulated "
-                "exiting together", "min": 1})
-    verify_prompts: int = field(default=0, metadata={
-        "help": "really decode this many held-out prompts to check the choice on-policy (0 = skip)", "min": 0})
-    verify_prompt_length: int | None = field(default=None, metadata={
-        "help": "tokens of each verification prompt (default: min(32, block_size // 2))", "min": 1})
-    verify_new_tokens: int | None = field(default=None, metadata={
-        "help": "tokens decoded per verification prompt (default: min(32, the positions left after the prompt))",
-        "min": 1})
-    verify_rounds: int = field(default=3, metadata={"help": "searches rerun with a raised target while verification "
-                                                            "misses", "min": 1})
+    decode_batch_size: int = field(
+        default=1,
+        metadata={
+            "help": "batch size decoding will run at: costs are measured there, and with policy batch rows are simulated "
+            "exiting together",
+            "min": 1,
+        },
+    )
+    verify_prompts: int = field(
+        default=0,
+        metadata={
+            "help": "really decode this many held-out prompts to check the choice on-policy (0 = skip)",
+            "min": 0,
+        },
+    )
+    verify_prompt_length: int | None = field(
+        default=None,
+        metadata={"help": "tokens of each verification prompt (default: min(32, block_size // 2))", "min": 1},
+    )
+    verify_new_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "tokens decoded per verification prompt (default: min(32, the positions left after the prompt))",
+            "min": 1,
+        },
+    )
+    verify_rounds: int = field(
+        default=3, metadata={"help": "searches rerun with a raised target while verification misses", "min": 1}
+    )
     seed: int = field(default=0, metadata={"help": "seed of the A/B split"})
-    guarantee: float | None = field(default=None, metadata={
-        "help": "choose thresholds by Learn then Test so that, with probability 1 - confidence over the calibration "
-                "sample, the per-token disagreement rate with full depth is at most this (instead of "
-                "target_agreement)", "above": 0, "below": 1})
-    confidence: float = field(default=0.1, metadata={
-        "help": "delta of the guarantee: the probability the promise may fail", "above": 0, "below": 1})
-    measure_speed: bool = field(default=False, metadata={
-        "help": "decode held-out prompts with the choice and full depth, interleaved, and keep exits on only when "
-                "the measured speed-up's lower quartile clears 1.0"})
+    guarantee: float | None = field(
+        default=None,
+        metadata={
+            "help": "choose thresholds by Learn then Test so that, with probability 1 - confidence over the calibration "
+            "sample, the per-token disagreement rate with full depth is at most this (instead of "
+            "target_agreement)",
+            "above": 0,
+            "below": 1,
+        },
+    )
+    confidence: float = field(
+        default=0.1,
+        metadata={"help": "delta of the guarantee: the probability the promise may fail", "above": 0, "below": 1},
+    )
+    measure_speed: bool = field(
+        default=False,
+        metadata={
+            "help": "decode held-out prompts with the choice and full depth, interleaved, and keep exits on only when "
+            "the measured speed-up's lower quartile clears 1.0"
+        },
+    )
     speed_prompts: int = field(default=4, metadata={"help": "held-out prompts per speed measurement", "min": 1})
     speed_new_tokens: int = field(default=32, metadata={"help": "tokens decoded per speed run", "min": 2})
     speed_repeats: int = field(default=3, metadata={"help": "interleaved rounds per speed measurement", "min": 1})
-    speed_batch_sizes: list[int] | None = field(default=None, metadata={
-        "help": "batch sizes the speed promise must hold at, each measured (default: decode_batch_size)", "min": 1})
-    speed_candidates: int = field(default=3, metadata={
-        "help": "settings measured at most, fastest predicted first, until one clears 1.0", "min": 1})
+    speed_batch_sizes: list[int] | None = field(
+        default=None,
+        metadata={
+            "help": "batch sizes the speed promise must hold at, each measured (default: decode_batch_size)",
+            "min": 1,
+        },
+    )
+    speed_candidates: int = field(
+        default=3,
+        metadata={"help": "settings measured at most, fastest predicted first, until one clears 1.0", "min": 1},
+    )
 
     def __post_init__(self):
         check_fields(self)
@@ -113,16 +164,21 @@ class CalibrationConfig:
         limit = max_position_embeddings
         block_size = block_size or self.block_size or (min(256, limit) if limit else 256)
         if limit is not None and block_size > limit:
-            raise ValueError(f"`block_size`={block_size} is beyond the model's positions (`max_position_embeddings`="
-                             f"{limit}); use at most {limit}.")
+            raise ValueError(
+                f"`block_size`={block_size} is beyond the model's positions (`max_position_embeddings`="
+                f"{limit}); use at most {limit}."
+            )
         prompt = self.verify_prompt_length or max(1, min(32, block_size // 2))
         if self.verify_prompts and prompt >= block_size:
-            raise ValueError(f"`verify_prompt_length`={prompt} needs blocks longer than that (`block_size`="
-                             f"{block_size}).")
+            raise ValueError(
+                f"`verify_prompt_length`={prompt} needs blocks longer than that (`block_size`={block_size})."
+            )
         new = self.verify_new_tokens or max(1, min(32, (limit or prompt + 32) - prompt))
         if self.verify_prompts and limit is not None and prompt + new > limit:
-            raise ValueError(f"`verify_new_tokens`={new} after a {prompt}-token prompt goes beyond the model's "
-                             f"positions (`max_position_embeddings`={limit}); use at most {limit - prompt}.")
+            raise ValueError(
+                f"`verify_new_tokens`={new} after a {prompt}-token prompt goes beyond the model's "
+                f"positions (`max_position_embeddings`={limit}); use at most {limit - prompt}."
+            )
         return dataclasses.replace(self, block_size=block_size, verify_prompt_length=prompt, verify_new_tokens=new)
 
 
@@ -131,8 +187,9 @@ scores_from_logits = logit_score  # (..., V) logits -> (...) scores, the runtime
 
 
 @torch.no_grad()
-def collect_exit_scores(model, blocks: torch.LongTensor, criterion: str, batch_size: int = 4,
-                        skip_positions: int = 0) -> dict:
+def collect_exit_scores(
+    model, blocks: torch.LongTensor, criterion: str, batch_size: int = 4, skip_positions: int = 0
+) -> dict:
     """Teacher-forced over `blocks` (n, T): per position, each exit's score under `criterion` and argmax, and the
     final layer's argmax. Returns {"scores": (N, E) float, "argmax": (N, E) long, "final": (N,) long}."""
     if criterion not in CRITERIA:
@@ -144,7 +201,7 @@ def collect_exit_scores(model, blocks: torch.LongTensor, criterion: str, batch_s
     model.eval()
     scores, argmaxes, finals = [], [], []
     for start in range(0, blocks.shape[0], batch_size):
-        ids = blocks[start:start + batch_size].to(device)
+        ids = blocks[start : start + batch_size].to(device)
         hidden = model.family.decoder(model)(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
         keep = slice(skip_positions, None)
         finals.append(model.family.head_logits(model, hidden[-1][:, keep]).argmax(-1).flatten().cpu())
@@ -169,8 +226,9 @@ def collect_exit_scores(model, blocks: torch.LongTensor, criterion: str, batch_s
 
 # -------------------------------------------------------------------------------------------------------------- costs
 @torch.no_grad()
-def measure_costs(model, criterion: str = "max_prob", batch_size: int = 1, context: int = 32,
-                  repeats: int = 20) -> dict:
+def measure_costs(
+    model, criterion: str = "max_prob", batch_size: int = 1, context: int = 32, repeats: int = 20
+) -> dict:
     """Costs on this machine, in decoder-layer steps, of what calibration's simulation charges: an LM-head call
     through an exit head (`head_cost`), a check of `criterion` (`check_cost`: the head plus the score for a logit
     criterion, the cosine or confidence head otherwise) and one skipped layer's K/V backfill (`backfill_cost`), at
@@ -182,11 +240,19 @@ def measure_costs(model, criterion: str = "max_prob", batch_size: int = 1, conte
     check = "head_check" if criterion in LOGIT_CRITERIA else f"{criterion}_check"
     layer_ms = max(ms["layer"], 1e-6)
     head_ms, check_ms, backfill_ms = ms["head"], ms[check], ms["backfill"]
-    return {"device": str(model.device), "dtype": str(model.dtype), "batch_size": batch_size,
-            "context": context, "layer_ms": round(layer_ms, 5), "head_ms": round(head_ms, 5),
-            "check_ms": round(check_ms, 5), "backfill_ms": round(backfill_ms, 5),
-            "head_cost": round(head_ms / layer_ms, 4), "check_cost": round(check_ms / layer_ms, 4),
-            "backfill_cost": round(backfill_ms / layer_ms, 4)}
+    return {
+        "device": str(model.device),
+        "dtype": str(model.dtype),
+        "batch_size": batch_size,
+        "context": context,
+        "layer_ms": round(layer_ms, 5),
+        "head_ms": round(head_ms, 5),
+        "check_ms": round(check_ms, 5),
+        "backfill_ms": round(backfill_ms, 5),
+        "head_cost": round(head_ms / layer_ms, 4),
+        "check_cost": round(check_ms / layer_ms, 4),
+        "backfill_cost": round(backfill_ms / layer_ms, 4),
+    }
 
 
 COST_KEYS = ("head_cost", "check_cost", "backfill_cost")
@@ -197,20 +263,32 @@ def check_costs(costs) -> dict:
     that decide without logits) `check_cost`, in decoder-layer steps; missing `check_cost` is 0. A `ValueError`
     names what is wrong."""
     if not isinstance(costs, dict):
-        raise ValueError(f"`costs` must be an object with {', '.join(COST_KEYS)} (decoder-layer steps), got "
-                         f"{type(costs).__name__}.")
+        raise ValueError(
+            f"`costs` must be an object with {', '.join(COST_KEYS)} (decoder-layer steps), got {type(costs).__name__}."
+        )
     costs = {"check_cost": 0.0, **costs}
     for key in COST_KEYS:
         value = costs.get(key)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
-            raise ValueError(f"`costs` must give `{key}` as a number >= 0 (decoder-layer steps), got "
-                             f"{'nothing' if key not in costs else repr(value)}.")
+            raise ValueError(
+                f"`costs` must give `{key}` as a number >= 0 (decoder-layer steps), got "
+                f"{'nothing' if key not in costs else repr(value)}."
+            )
     return costs
 
 
 # --------------------------------------------------------------------------------------------------------- simulation
-def simulate(data: dict, exit_layers: list, num_layers: int, check: list, thresholds: list, costs: dict,
-             criterion: str, patience: int = 0, group: int = 1) -> dict:
+def simulate(
+    data: dict,
+    exit_layers: list,
+    num_layers: int,
+    check: list,
+    thresholds: list,
+    costs: dict,
+    criterion: str,
+    patience: int = 0,
+    group: int = 1,
+) -> dict:
     """Teacher-forced simulation of decoding with exits `check` (indices into `exit_layers`, increasing) at
     `thresholds`. A token exits at the first checked exit whose score >= threshold (or, with patience k, whose argmax
     the k-1 checked exits before it share). Cost per decoding step, in layer steps: layers run + checks made x check
@@ -248,12 +326,20 @@ def simulate(data: dict, exit_layers: list, num_layers: int, check: list, thresh
     logit_check = criterion in LOGIT_CRITERIA or patience > 0
     per_check = costs["head_cost"] if logit_check else costs["check_cost"]
     head_once = torch.where(fired, 0.0 if logit_check else costs["head_cost"], costs["head_cost"]).double()
-    cost = (exit_layer + 1).double() + checks * per_check + head_once \
+    cost = (
+        (exit_layer + 1).double()
+        + checks * per_check
+        + head_once
         + costs["backfill_cost"] * (num_layers - 1 - exit_layer).double()
+    )
     full = num_layers + costs["head_cost"]
-    return {"agreement": float((chosen == final[flat]).double().mean()),
-            "mean_exit_layer": float(exit_layer.double().mean()), "exit_rate": float(fired.double().mean()),
-            "speedup": float(full / cost.mean()), "positions": int(flat.numel())}
+    return {
+        "agreement": float((chosen == final[flat]).double().mean()),
+        "mean_exit_layer": float(exit_layer.double().mean()),
+        "exit_rate": float(fired.double().mean()),
+        "speedup": float(full / cost.mean()),
+        "positions": int(flat.numel()),
+    }
 
 
 def _threshold_grid(values: torch.Tensor, count: int = 40) -> list[float]:
@@ -261,25 +347,39 @@ def _threshold_grid(values: torch.Tensor, count: int = 40) -> list[float]:
     if values.numel() == 0:
         return []
     qs = torch.cat([torch.linspace(0, 0.9, count // 2), 1 - torch.logspace(-1, -4, count - count // 2)])
-    grid = torch.quantile(values.double()[: 1_000_000], qs.double()).tolist()
+    grid = torch.quantile(values.double()[:1_000_000], qs.double()).tolist()
     return sorted(set(float(v) for v in grid))
 
 
 def _subsets(num_exits: int) -> list[tuple]:
     if num_exits <= 4:
         return [c for k in range(1, num_exits + 1) for c in itertools.combinations(range(num_exits), k)]
-    return ([(i,) for i in range(num_exits)] + list(itertools.combinations(range(num_exits), 2))
-            + [tuple(range(num_exits))])
+    return (
+        [(i,) for i in range(num_exits)] + list(itertools.combinations(range(num_exits), 2)) + [tuple(range(num_exits))]
+    )
 
 
-def search_policy(data: dict, exit_layers: list, num_layers: int, costs: dict, criterion: str,
-                  target_agreement: float, patience: int = 0, refine_passes: int = 2, group: int = 1) -> dict:
+def search_policy(
+    data: dict,
+    exit_layers: list,
+    num_layers: int,
+    costs: dict,
+    criterion: str,
+    target_agreement: float,
+    patience: int = 0,
+    refine_passes: int = 2,
+    group: int = 1,
+) -> dict:
     """The fastest (predicted) exit subset and thresholds whose agreement on `data` reaches the target. Searches
     small subsets with one shared threshold, then refines the best subsets exit by exit. Returns {"best": dict or
     None, "candidates": best per subset}."""
 
     def better(a, b):
-        return b is None or a["speedup"] > b["speedup"] or (a["speedup"] == b["speedup"] and a["agreement"] > b["agreement"])
+        return (
+            b is None
+            or a["speedup"] > b["speedup"]
+            or (a["speedup"] == b["speedup"] and a["agreement"] > b["agreement"])
+        )
 
     per_subset = []
     for subset in _subsets(len(exit_layers)):
@@ -300,8 +400,9 @@ def search_policy(data: dict, exit_layers: list, num_layers: int, costs: dict, c
                 for t in _threshold_grid(data["scores"][:, c]):
                     thresholds = list(current["thresholds"])
                     thresholds[k] = t
-                    r = simulate(data, exit_layers, num_layers, current["check"], thresholds, costs, criterion, patience,
-                                 group)
+                    r = simulate(
+                        data, exit_layers, num_layers, current["check"], thresholds, costs, criterion, patience, group
+                    )
                     if r["agreement"] >= target_agreement and better(r, current):
                         current = dict(r, check=current["check"], thresholds=thresholds)
         if better(current, start):
@@ -310,8 +411,18 @@ def search_policy(data: dict, exit_layers: list, num_layers: int, costs: dict, c
     return {"best": per_subset[0] if per_subset else None, "candidates": per_subset[:10]}
 
 
-def guaranteed_policy(data: dict, grid_data: dict, exit_layers: list, num_layers: int, costs: dict, criterion: str,
-                      epsilon: float, delta: float, patience: int = 0, group: int = 1) -> dict:
+def guaranteed_policy(
+    data: dict,
+    grid_data: dict,
+    exit_layers: list,
+    num_layers: int,
+    costs: dict,
+    criterion: str,
+    epsilon: float,
+    delta: float,
+    patience: int = 0,
+    group: int = 1,
+) -> dict:
     """Learn then Test (see `guarantee.py`): every exit subset with one shared threshold is a sequence of hypotheses
     "disagreement rate > epsilon", thresholds from the most conservative down, taken from `grid_data`'s scores (the
     other split: the hypotheses do not depend on the errors they are tested on); errors are counted on `data`. The
@@ -327,15 +438,21 @@ def guaranteed_policy(data: dict, grid_data: dict, exit_layers: list, num_layers
         errors[subset] = pairs
     n = next(iter(results.values()))["positions"] if results else 0
     certified = learn_then_test(errors, n, epsilon, delta) if n else {}
-    passed = [dict(results[(subset, c.threshold)], p_value=c.p_value) for subset, found in certified.items()
-              for c in found]
+    passed = [
+        dict(results[(subset, c.threshold)], p_value=c.p_value) for subset, found in certified.items() for c in found
+    ]
     passed.sort(key=lambda r: -r["speedup"])
-    return {"best": passed[0] if passed else None, "candidates": passed[:10], "tested_sets": len(errors),
-            "positions": n}
+    return {
+        "best": passed[0] if passed else None,
+        "candidates": passed[:10],
+        "tested_sets": len(errors),
+        "positions": n,
+    }
 
 
-def measure_speed(model, prompts: torch.LongTensor, exit_kwargs: dict, config: "CalibrationConfig",
-                  batch_size: int | None = None) -> dict:
+def measure_speed(
+    model, prompts: torch.LongTensor, exit_kwargs: dict, config: "CalibrationConfig", batch_size: int | None = None
+) -> dict:
     """Decodes `prompts` with `exit_kwargs` and at full depth on the same weights, interleaved in pairs (the
     benchmark's method), at `batch_size` (default `config.decode_batch_size`; prompts are repeated to fill a batch).
     Returns the paired speed-ups: median, lower quartile, all."""
@@ -345,15 +462,25 @@ def measure_speed(model, prompts: torch.LongTensor, exit_kwargs: dict, config: "
     batch = batch_size or config.decode_batch_size
     if prompts.shape[0] < batch:
         prompts = prompts.repeat((batch + prompts.shape[0] - 1) // prompts.shape[0], 1)
-    bench_config = BenchConfig(batch_sizes=[batch], max_batches=[max(1, prompts.shape[0] // batch)],
-                               new_tokens=config.speed_new_tokens, repeats=config.speed_repeats)
+    bench_config = BenchConfig(
+        batch_sizes=[batch],
+        max_batches=[max(1, prompts.shape[0] // batch)],
+        new_tokens=config.speed_new_tokens,
+        repeats=config.speed_repeats,
+    )
     rows = [{"domain": "held-out", "ids": row.tolist()} for row in prompts]
     result = compare(model, plain, rows, exit_kwargs, config=bench_config, batch_size=batch)
     values = result["speedup"]["values"]
     quartile = statistics.quantiles(values, n=4)[0] if len(values) >= 2 else values[0]
-    return {"median": result["speedup"]["median"], "lower_quartile": quartile, "values": values,
-            "pairs": len(values), "batch_size": batch, "new_tokens": config.speed_new_tokens,
-            "identical_token_share": result["agreement"]["share"]}
+    return {
+        "median": result["speedup"]["median"],
+        "lower_quartile": quartile,
+        "values": values,
+        "pairs": len(values),
+        "batch_size": batch,
+        "new_tokens": config.speed_new_tokens,
+        "identical_token_share": result["agreement"]["share"],
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------- calibrate
@@ -370,8 +497,9 @@ def _as_blocks(data, tokenizer, block_size):
 
 
 @torch.no_grad()
-def on_policy_agreement(model, prompts: torch.LongTensor, exit_kwargs: dict, new_tokens: int = 32,
-                        batch_size: int = 1) -> dict:
+def on_policy_agreement(
+    model, prompts: torch.LongTensor, exit_kwargs: dict, new_tokens: int = 32, batch_size: int = 1
+) -> dict:
     """Per-token agreement, really decoded: decodes `prompts` (n, p) greedily with early exit (`exit_kwargs` as given
     to `generate`), then asks the full model, on the very text it produced, what it would have chosen at each
     generated position (`ee_transformers.tools.quality.full_model_view`). Unlike teacher-forced
@@ -387,9 +515,16 @@ def on_policy_agreement(model, prompts: torch.LongTensor, exit_kwargs: dict, new
     agree = total = exited = 0
     layer_sum = 0.0
     for start in range(0, prompts.shape[0], batch_size):
-        ids = prompts[start:start + batch_size].to(device)
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
-                             return_dict_in_generate=True, pad_token_id=pad, **exit_kwargs)
+        ids = prompts[start : start + batch_size].to(device)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            return_dict_in_generate=True,
+            pad_token_id=pad,
+            **exit_kwargs,
+        )
         sequences, layers = out.sequences, out.exit_layers.to(device)
         valid = layers >= 0  # decided tokens: up to and including each row's EOS
         view = full_model_view(model, sequences, ids.shape[1], eos_ids=eos)  # per-token agreement, one definition
@@ -399,17 +534,26 @@ def on_policy_agreement(model, prompts: torch.LongTensor, exit_kwargs: dict, new
         layer_sum += float(layers[valid].double().sum())
     model.train(was_training)
     total = max(total, 1)
-    return {"agreement": agree / total, "mean_exit_layer": layer_sum / total, "exit_rate": exited / total,
-            "tokens": total}
+    return {
+        "agreement": agree / total,
+        "mean_exit_layer": layer_sum / total,
+        "exit_rate": exited / total,
+        "tokens": total,
+    }
 
 
 def _exit_kwargs(criterion, check_layers, thresholds, policy, patience, kv) -> dict:
-    return {"exit_criterion": criterion, "exit_threshold": list(thresholds), "exit_check_layers": list(check_layers),
-            "exit_policy": policy, "exit_patience": patience, "exit_kv": kv}
+    return {
+        "exit_criterion": criterion,
+        "exit_threshold": list(thresholds),
+        "exit_check_layers": list(check_layers),
+        "exit_policy": policy,
+        "exit_patience": patience,
+        "exit_kv": kv,
+    }
 
 
-def calibrate(model, data, config: CalibrationConfig | None = None, tokenizer=None,
-              costs: dict | None = None) -> dict:
+def calibrate(model, data, config: CalibrationConfig | None = None, tokenizer=None, costs: dict | None = None) -> dict:
     """Chooses the exits to check and their thresholds for `model` (an early-exit model, fitted).
 
     data: held-out blocks `(n, block_size)` (n >= 2), or texts (with `tokenizer`; cut into `config.block_size`
@@ -441,8 +585,10 @@ def calibrate(model, data, config: CalibrationConfig | None = None, tokenizer=No
         config = config.for_model(positions)
     blocks = _as_blocks(data, tokenizer, config.block_size)[: config.max_blocks]
     if blocks.shape[0] < 2:
-        raise ValueError(f"Calibration needs at least 2 held-out blocks (one to choose on, one to report on), got "
-                         f"{blocks.shape[0]}; give more text or a smaller block size.")
+        raise ValueError(
+            f"Calibration needs at least 2 held-out blocks (one to choose on, one to report on), got "
+            f"{blocks.shape[0]}; give more text or a smaller block size."
+        )
     criterion, target_agreement, policy = config.criterion, config.target_agreement, config.policy
     patience, kv, decode_batch_size = config.patience, config.kv, config.decode_batch_size
     order = torch.randperm(blocks.shape[0], generator=torch.Generator().manual_seed(config.seed))
@@ -455,32 +601,65 @@ def calibrate(model, data, config: CalibrationConfig | None = None, tokenizer=No
     group = decode_batch_size if policy == "batch" else 1
     data_a = collect_exit_scores(model, split_a, criterion, config.batch_size)
     data_b = collect_exit_scores(model, split_b, criterion, config.batch_size)
-    per_exit_b = [round(float((data_b["argmax"][:, i] == data_b["final"]).double().mean()), 4)
-                  for i in range(len(exit_layers))]
-    report = {"criterion": criterion, "policy": policy, "patience": patience, "kv": kv,
-              "target_agreement": target_agreement, "decode_batch_size": decode_batch_size,
-              "exit_layers": exit_layers, "num_hidden_layers": num_layers, "costs": costs,
-              "config": dataclasses.asdict(config),
-              "positions": {"A": int(data_a["final"].numel()), "B": int(data_b["final"].numel())},
-              "per_exit_agreement_B": per_exit_b, "chosen": None, "selection_A": None, "heldout_B": None,
-              "on_policy_B": None, "verification": []}
+    per_exit_b = [
+        round(float((data_b["argmax"][:, i] == data_b["final"]).double().mean()), 4) for i in range(len(exit_layers))
+    ]
+    report = {
+        "criterion": criterion,
+        "policy": policy,
+        "patience": patience,
+        "kv": kv,
+        "target_agreement": target_agreement,
+        "decode_batch_size": decode_batch_size,
+        "exit_layers": exit_layers,
+        "num_hidden_layers": num_layers,
+        "costs": costs,
+        "config": dataclasses.asdict(config),
+        "positions": {"A": int(data_a["final"].numel()), "B": int(data_b["final"].numel())},
+        "per_exit_agreement_B": per_exit_b,
+        "chosen": None,
+        "selection_A": None,
+        "heldout_B": None,
+        "on_policy_B": None,
+        "verification": [],
+    }
     verify = config.verify_prompts
-    prompts = split_b[:verify, :config.verify_prompt_length] if verify else None
+    prompts = split_b[:verify, : config.verify_prompt_length] if verify else None
     search_target = target_agreement
     if config.guarantee is not None:  # Learn then Test: certified on split A, thresholds from split B's scores
-        found = guaranteed_policy(data_a, data_b, exit_layers, num_layers, costs, criterion, config.guarantee,
-                                  config.confidence, patience, group)
+        found = guaranteed_policy(
+            data_a,
+            data_b,
+            exit_layers,
+            num_layers,
+            costs,
+            criterion,
+            config.guarantee,
+            config.confidence,
+            patience,
+            group,
+        )
         best = found["best"]
         report["guarantee"] = {
-            "epsilon": config.guarantee, "delta": config.confidence, "positions": found["positions"],
-            "tested_exit_sets": found["tested_sets"], "certified": len(found["candidates"]),
+            "epsilon": config.guarantee,
+            "delta": config.confidence,
+            "positions": found["positions"],
+            "tested_exit_sets": found["tested_sets"],
+            "certified": len(found["candidates"]),
             "assumption": "held-out positions exchangeable with the text decoded later (same kind of text, many "
-                          "documents); the rate is per token, teacher-forced"}
+            "documents); the rate is per token, teacher-forced",
+        }
         report["candidates"] = [_candidate(c, exit_layers) for c in found["candidates"]]
         if best is not None and prompts is not None:  # on-policy agreement is reported, not used to choose
-            checked = on_policy_agreement(model, prompts, _exit_kwargs(criterion, [exit_layers[i] for i in best["check"]],
-                                                                       best["thresholds"], policy, patience, kv),
-                                          config.verify_new_tokens, decode_batch_size)
+            checked = on_policy_agreement(
+                model,
+                prompts,
+                _exit_kwargs(
+                    criterion, [exit_layers[i] for i in best["check"]], best["thresholds"], policy, patience, kv
+                ),
+                config.verify_new_tokens,
+                decode_batch_size,
+            )
             report["on_policy_B"] = checked
     else:
         found, best = _search_verified(model, report, data_a, exit_layers, num_layers, costs, config, prompts, group)
@@ -488,27 +667,46 @@ def calibrate(model, data, config: CalibrationConfig | None = None, tokenizer=No
     if best is not None and best["speedup"] >= 1.0:
         _choose(report, best, data_b, exit_layers, num_layers, costs, config, group)
         if config.measure_speed:
-            speed_prompts = split_b[:config.speed_prompts, :config.verify_prompt_length]
-            _keep_if_measured_faster(model, report, best, found["candidates"], speed_prompts, data_b, exit_layers,
-                                     num_layers, costs, config, group)
+            speed_prompts = split_b[: config.speed_prompts, : config.verify_prompt_length]
+            _keep_if_measured_faster(
+                model,
+                report,
+                best,
+                found["candidates"],
+                speed_prompts,
+                data_b,
+                exit_layers,
+                num_layers,
+                costs,
+                config,
+                group,
+            )
     elif report["verification"] and (best is None or best["speedup"] >= 1.0):
         last = report["verification"][-1]
-        report["message"] = (f"exits left off: really decoding held-out prompts, the best policy agreed with full "
-                             f"depth on only {last['agreement']:.3f} of tokens (target {target_agreement})")
+        report["message"] = (
+            f"exits left off: really decoding held-out prompts, the best policy agreed with full "
+            f"depth on only {last['agreement']:.3f} of tokens (target {target_agreement})"
+        )
     elif best is not None:
-        report["message"] = (f"exits left off: the best policy reaching the quality target "
-                             f"(exits {[exit_layers[i] for i in best['check']]}) predicts only {best['speedup']:.2f}x, "
-                             "slower than full depth once check costs are counted")
+        report["message"] = (
+            f"exits left off: the best policy reaching the quality target "
+            f"(exits {[exit_layers[i] for i in best['check']]}) predicts only {best['speedup']:.2f}x, "
+            "slower than full depth once check costs are counted"
+        )
     elif config.guarantee is not None:
-        report["message"] = (f"exits left off: no setting is certified to disagree with full depth on at most "
-                             f"{config.guarantee} of tokens with confidence {1 - config.confidence:.2f} on "
-                             f"{report['guarantee']['positions']} positions (more held-out text certifies more)")
+        report["message"] = (
+            f"exits left off: no setting is certified to disagree with full depth on at most "
+            f"{config.guarantee} of tokens with confidence {1 - config.confidence:.2f} on "
+            f"{report['guarantee']['positions']} positions (more held-out text certifies more)"
+        )
     else:
         report["message"] = f"exits left off: no exit policy reaches agreement {target_agreement} on split A"
     if report["chosen"] is None and search_target > target_agreement:
         first = report["verification"][0]
-        report["message"] += (f" (really decoding, the first choice agreed on only {first['agreement']:.3f}, so the "
-                              f"teacher-forced target was raised to {search_target:.3f})")
+        report["message"] += (
+            f" (really decoding, the first choice agreed on only {first['agreement']:.3f}, so the "
+            f"teacher-forced target was raised to {search_target:.3f})"
+        )
     return report
 
 
@@ -529,11 +727,21 @@ def _search_verified(model, report, data_a, exit_layers, num_layers, costs, conf
         if best is None or best["speedup"] < 1.0 or prompts is None:
             break
         check_layers = [exit_layers[i] for i in best["check"]]
-        checked = on_policy_agreement(model, prompts, _exit_kwargs(criterion, check_layers, best["thresholds"], policy,
-                                                                   patience, kv),
-                                      config.verify_new_tokens, config.decode_batch_size)
-        report["verification"].append({"search_target": search_target, "check_layers": check_layers,
-                                       "thresholds": [float(t) for t in best["thresholds"]], **checked})
+        checked = on_policy_agreement(
+            model,
+            prompts,
+            _exit_kwargs(criterion, check_layers, best["thresholds"], policy, patience, kv),
+            config.verify_new_tokens,
+            config.decode_batch_size,
+        )
+        report["verification"].append(
+            {
+                "search_target": search_target,
+                "check_layers": check_layers,
+                "thresholds": [float(t) for t in best["thresholds"]],
+                **checked,
+            }
+        )
         if checked["agreement"] >= target_agreement:
             report["on_policy_B"] = checked
             break
@@ -551,35 +759,54 @@ def _choose(report, best, data_b, exit_layers, num_layers, costs, config, group)
     check_layers = [exit_layers[i] for i in best["check"]]
     report["chosen"] = {"check_layers": check_layers, "thresholds": [float(t) for t in best["thresholds"]]}
     report["selection_A"] = {k: best[k] for k in ("agreement", "mean_exit_layer", "exit_rate", "speedup")}
-    report["heldout_B"] = simulate(data_b, exit_layers, num_layers, best["check"], best["thresholds"], costs,
-                                   config.criterion, config.patience, group)
-    report["message"] = (f"check exits {check_layers} at thresholds {[round(t, 4) for t in best['thresholds']]}: "
-                         f"predicted {report['heldout_B']['speedup']:.2f}x at per-token agreement "
-                         f"{report['heldout_B']['agreement']:.3f} (teacher-forced) on held-out split B")
+    report["heldout_B"] = simulate(
+        data_b,
+        exit_layers,
+        num_layers,
+        best["check"],
+        best["thresholds"],
+        costs,
+        config.criterion,
+        config.patience,
+        group,
+    )
+    report["message"] = (
+        f"check exits {check_layers} at thresholds {[round(t, 4) for t in best['thresholds']]}: "
+        f"predicted {report['heldout_B']['speedup']:.2f}x at per-token agreement "
+        f"{report['heldout_B']['agreement']:.3f} (teacher-forced) on held-out split B"
+    )
     if report["on_policy_B"] is not None:
         report["message"] += f"; {report['on_policy_B']['agreement']:.3f} given its own prefix when really decoding"
 
 
-def _keep_if_measured_faster(model, report, best, candidates, prompts, data_b, exit_layers, num_layers, costs, config,
-                             group):
+def _keep_if_measured_faster(
+    model, report, best, candidates, prompts, data_b, exit_layers, num_layers, costs, config, group
+):
     """The speed promise: measure the choice (then the next fastest predicted candidates) against full depth; keep
     the first whose measured speed-up's lower quartile clears 1.0, else store full depth and say how close it came."""
     order = [best] + [c for c in candidates if c is not best and c["speedup"] >= 1.0]
     batch_sizes = config.speed_batch_sizes or [config.decode_batch_size]
     tried, winner = [], None
-    for candidate in order[:config.speed_candidates]:
+    for candidate in order[: config.speed_candidates]:
         check_layers = [exit_layers[i] for i in candidate["check"]]
-        kwargs = _exit_kwargs(config.criterion, check_layers, candidate["thresholds"], config.policy, config.patience,
-                              config.kv)
+        kwargs = _exit_kwargs(
+            config.criterion, check_layers, candidate["thresholds"], config.policy, config.patience, config.kv
+        )
         per_batch = {}
         for b in batch_sizes:  # the promise must hold at every batch size asked for: stop at the first miss
             per_batch[b] = measure_speed(model, prompts, kwargs, config, batch_size=b)
             if per_batch[b]["lower_quartile"] <= 1.0:
                 break
         measured = min(per_batch.values(), key=lambda m: m["lower_quartile"])  # the binding batch size
-        tried.append({"check_layers": check_layers, "thresholds": [float(t) for t in candidate["thresholds"]],
-                      "predicted_speedup": candidate["speedup"], "measured": measured,
-                      "by_batch_size": {str(b): m for b, m in per_batch.items()}})
+        tried.append(
+            {
+                "check_layers": check_layers,
+                "thresholds": [float(t) for t in candidate["thresholds"]],
+                "predicted_speedup": candidate["speedup"],
+                "measured": measured,
+                "by_batch_size": {str(b): m for b, m in per_batch.items()},
+            }
+        )
         if len(per_batch) == len(batch_sizes) and measured["lower_quartile"] > 1.0:
             winner = candidate
             break
@@ -594,14 +821,17 @@ def _keep_if_measured_faster(model, report, best, candidates, prompts, data_b, e
             f"quartile; the closest, exits {closest['check_layers']} at thresholds "
             f"{[round(t, 4) for t in closest['thresholds']]}, measured {closest['measured']['median']:.2f}x median "
             f"({q:.2f}x lower quartile, predicted {closest['predicted_speedup']:.2f}x): it would need its decoding "
-            f"steps {100 * (1 - q):.0f}% faster to pay")
+            f"steps {100 * (1 - q):.0f}% faster to pay"
+        )
         return
     if winner is not best:  # the next candidate paid where the first did not (on-policy check was for the first)
         report["on_policy_B"] = None
         _choose(report, winner, data_b, exit_layers, num_layers, costs, config, group)
     m = tried[-1]["measured"]
-    report["message"] += (f"; measured {m['median']:.2f}x median ({m['lower_quartile']:.2f}x lower quartile) against "
-                          f"full depth on this machine")
+    report["message"] += (
+        f"; measured {m['median']:.2f}x median ({m['lower_quartile']:.2f}x lower quartile) against "
+        f"full depth on this machine"
+    )
 
 
 def apply_calibration(model, report: dict) -> None:
@@ -620,8 +850,14 @@ def apply_calibration(model, report: dict) -> None:
             exit_kv=report.get("kv", "immediate"),
         )
     else:
-        model.set_exit_defaults(exit_criterion=None, exit_threshold=None, exit_check_layers=None, exit_patience=None,
-                                exit_policy=None, exit_kv=None)
+        model.set_exit_defaults(
+            exit_criterion=None,
+            exit_threshold=None,
+            exit_check_layers=None,
+            exit_patience=None,
+            exit_policy=None,
+            exit_kv=None,
+        )
 
 
 def calibration_card(report: dict) -> str:
@@ -630,10 +866,12 @@ def calibration_card(report: dict) -> str:
     c = report["costs"]
     if report.get("guarantee"):
         g = report["guarantee"]
-        goal = (f"Thresholds chosen by Learn then Test: with probability >= {1 - g['delta']:.2f} over the calibration "
-                f"sample, the per-token disagreement rate with full depth is <= {g['epsilon']} (assumption: "
-                f"{g['assumption']}; {g['positions']} positions, {g['tested_exit_sets']} exit sets tested, "
-                f"{g['certified']} settings certified).")
+        goal = (
+            f"Thresholds chosen by Learn then Test: with probability >= {1 - g['delta']:.2f} over the calibration "
+            f"sample, the per-token disagreement rate with full depth is <= {g['epsilon']} (assumption: "
+            f"{g['assumption']}; {g['positions']} positions, {g['tested_exit_sets']} exit sets tested, "
+            f"{g['certified']} settings certified)."
+        )
     else:
         goal = f"Target per-token agreement with full depth (teacher-forced) >= {report['target_agreement']}."
     lines = [
@@ -648,8 +886,9 @@ def calibration_card(report: dict) -> str:
     speed = report.get("speed")
     if report.get("chosen"):
         a, b = report["selection_A"], report["heldout_B"]
-        thresholds = ", ".join(f"{layer}: {t:.4g}" for layer, t in
-                               zip(report["chosen"]["check_layers"], report["chosen"]["thresholds"]))
+        thresholds = ", ".join(
+            f"{layer}: {t:.4g}" for layer, t in zip(report["chosen"]["check_layers"], report["chosen"]["thresholds"])
+        )
         measured = speed["tried"][-1]["measured"] if speed and speed.get("kept") else None
         lines += [
             f"Chosen: check exits {report['chosen']['check_layers']} with thresholds {{{thresholds}}} "
@@ -662,27 +901,44 @@ def calibration_card(report: dict) -> str:
             f"{a['mean_exit_layer']:.2f} | {a['exit_rate']:.3f} | {a['speedup']:.2f}x | - |",
             f"| B (reported), teacher-forced | {report['positions']['B']} | {b['agreement']:.3f} | "
             f"{b['mean_exit_layer']:.2f} | {b['exit_rate']:.3f} | {b['speedup']:.2f}x | "
-            + (f"{measured['median']:.2f}x (lower quartile {measured['lower_quartile']:.2f}x) |" if measured else
-               "not measured |"),
+            + (
+                f"{measured['median']:.2f}x (lower quartile {measured['lower_quartile']:.2f}x) |"
+                if measured
+                else "not measured |"
+            ),
         ]
         if report.get("on_policy_B"):
             v = report["on_policy_B"]
-            lines.append(f"| B, really decoded (own prefix) | {v['tokens']} tokens | {v['agreement']:.3f} | "
-                         f"{v['mean_exit_layer']:.2f} | {v['exit_rate']:.3f} | - | - |")
+            lines.append(
+                f"| B, really decoded (own prefix) | {v['tokens']} tokens | {v['agreement']:.3f} | "
+                f"{v['mean_exit_layer']:.2f} | {v['exit_rate']:.3f} | - | - |"
+            )
         if measured:
-            lines += ["", f"Identical-token share against full-depth output in the speed runs: "
-                          f"{measured['identical_token_share']:.3f} (one early difference changes the rest of a "
-                          "text, so this is lower than per-token agreement)."]
+            lines += [
+                "",
+                f"Identical-token share against full-depth output in the speed runs: "
+                f"{measured['identical_token_share']:.3f} (one early difference changes the rest of a "
+                "text, so this is lower than per-token agreement).",
+            ]
     else:
-        lines.append(f"**Early exit is off by default** ({report['message']}). Pass exit arguments to `generate()` "
-                     "to try it anyway.")
+        lines.append(
+            f"**Early exit is off by default** ({report['message']}). Pass exit arguments to `generate()` "
+            "to try it anyway."
+        )
     b = report.get("decode_batch_size", 1)
     grouped = " (batch policy: rows of a batch exit together)" if b > 1 and report["policy"] == "batch" else ""
-    lines += ["", f"Predicted speed-ups are teacher-forced simulations at decode batch size {b}{grouped} with the "
-              "measured costs"
-              + ("; measured speed-ups are interleaved pairs of real decoding against full depth on the same weights"
-                 if speed else "; the benchmark measures real decoding") + ". Per-token agreement: the share of "
-              "early-exit tokens the full model would also choose at that position. Full report: `calibration.json`."]
+    lines += [
+        "",
+        f"Predicted speed-ups are teacher-forced simulations at decode batch size {b}{grouped} with the "
+        "measured costs"
+        + (
+            "; measured speed-ups are interleaved pairs of real decoding against full depth on the same weights"
+            if speed
+            else "; the benchmark measures real decoding"
+        )
+        + ". Per-token agreement: the share of "
+        "early-exit tokens the full model would also choose at that position. Full report: `calibration.json`.",
+    ]
     return "\n".join(lines)
 
 
@@ -696,8 +952,11 @@ def build_parser():
     p.add_argument("model", help="an early-exit model folder (fitted)")
     p.add_argument("--data", nargs="+", required=True, help="held-out text / JSON lines / datasets files or globs")
     p.add_argument("--text-field", default="text", help="field holding the text in JSON lines / datasets files")
-    p.add_argument("--costs", help="JSON object with head_cost, backfill_cost (and check_cost) in decoder-layer steps, "
-                                   "used instead of measuring them")
+    p.add_argument(
+        "--costs",
+        help="JSON object with head_cost, backfill_cost (and check_cost) in decoder-layer steps, "
+        "used instead of measuring them",
+    )
     p.add_argument("--out", help="write the calibrated folder here (default: update the model folder in place)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out that ee-transformers wrote")
     add_config_arguments(p, CalibrationConfig, defaults=CLI_DEFAULTS)
@@ -731,8 +990,11 @@ def _fit_card(folder) -> dict:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise InputError(f"{path} is not readable JSON ({error}).") from None
     card = fitted.get("card") if isinstance(fitted, dict) else None
-    return {k: v for k, v in card.items() if k in ("training", "notes") and isinstance(v, str)} \
-        if isinstance(card, dict) else {}
+    return (
+        {k: v for k, v in card.items() if k in ("training", "notes") and isinstance(v, str)}
+        if isinstance(card, dict)
+        else {}
+    )
 
 
 def _run(args):
@@ -747,8 +1009,9 @@ def _run(args):
     folder_config = read_config(folder, "model")
     check_weights(folder, "model")
     # the calibrated folder: --out, or the model folder updated in place; what is not written anew is kept
-    output = OutputFolder(args.out or folder, overwrite=args.overwrite, carry_from=folder,
-                          argument="--out" if args.out else "model")
+    output = OutputFolder(
+        args.out or folder, overwrite=args.overwrite, carry_from=folder, argument="--out" if args.out else "model"
+    )
     if not folder_config.get("exit_layers"):
         raise InputError(f"`model` {folder!r} has no exit heads: build and fit them first (ee-transformers fit).")
     try:

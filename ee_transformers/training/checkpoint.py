@@ -27,7 +27,9 @@ def optimizer_to_flat(optimizer) -> tuple[dict, list]:
     for index, values in state["state"].items():
         for name, value in values.items():
             tensors[f"state.{index}.{name}"] = torch.as_tensor(value).contiguous()
-    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items()} for group in state["param_groups"]]
+    groups = [
+        {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items()} for group in state["param_groups"]
+    ]
     return tensors, groups
 
 
@@ -94,13 +96,20 @@ def save_checkpoint(folder, step: int, trainable: dict, optimizer, scheduler, st
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    save_file({k: v.detach().cpu().contiguous() for k, v in trainable.items()}, os.path.join(tmp, "trainable.safetensors"))
+    save_file(
+        {k: v.detach().cpu().contiguous() for k, v in trainable.items()}, os.path.join(tmp, "trainable.safetensors")
+    )
     opt_tensors, groups = optimizer_to_flat(optimizer)
     save_file({k: v.cpu() for k, v in opt_tensors.items()}, os.path.join(tmp, "optimizer.safetensors"))
     rng_tensors, rng_extras = rng_state()
     save_file({k: v.cpu().contiguous() for k, v in rng_tensors.items()}, os.path.join(tmp, "rng.safetensors"))
-    payload = dict(state, step=step, optimizer_param_groups=groups, rng=rng_extras,
-                   scheduler=_json_safe(scheduler.state_dict()) if scheduler is not None else None)
+    payload = dict(
+        state,
+        step=step,
+        optimizer_param_groups=groups,
+        rng=rng_extras,
+        scheduler=_json_safe(scheduler.state_dict()) if scheduler is not None else None,
+    )
     with open(os.path.join(tmp, STATE_FILE), "w") as f:
         json.dump(_json_safe(payload), f, indent=1)
     shutil.rmtree(final, ignore_errors=True)
@@ -114,9 +123,11 @@ def list_checkpoints(folder) -> list[str]:
     """Complete checkpoints in `folder`, oldest first."""
     if not folder or not os.path.isdir(folder):
         return []
-    names = sorted(n for n in os.listdir(folder)
-                   if n.startswith("step-") and not n.endswith(".tmp")
-                   and os.path.isfile(os.path.join(folder, n, STATE_FILE)))
+    names = sorted(
+        n
+        for n in os.listdir(folder)
+        if n.startswith("step-") and not n.endswith(".tmp") and os.path.isfile(os.path.join(folder, n, STATE_FILE))
+    )
     return [os.path.join(folder, n) for n in names]
 
 
@@ -141,8 +152,10 @@ def read_checkpoint_state(path) -> dict:
         with open(file, encoding="utf-8") as f:
             state = json.load(f)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{file}: not a readable checkpoint state ({error}); the checkpoint is damaged, resume from "
-                         "an earlier one or start again.") from None
+        raise ValueError(
+            f"{file}: not a readable checkpoint state ({error}); the checkpoint is damaged, resume from "
+            "an earlier one or start again."
+        ) from None
     if not isinstance(state, dict) or isinstance(state.get("step"), bool) or not isinstance(state.get("step"), int):
         raise ValueError(f"{file}: not a checkpoint state (a JSON object with an integer `step`).")
     for name in TENSOR_FILES:
@@ -150,8 +163,10 @@ def read_checkpoint_state(path) -> dict:
             with safe_open(os.path.join(path, name), "pt"):
                 pass
         except (OSError, SafetensorError) as error:
-            raise ValueError(f"{os.path.join(path, name)}: the checkpoint is damaged ({error}); resume from an "
-                             "earlier one or start again.") from None
+            raise ValueError(
+                f"{os.path.join(path, name)}: the checkpoint is damaged ({error}); resume from an "
+                "earlier one or start again."
+            ) from None
     return state
 
 
@@ -159,8 +174,9 @@ def load_checkpoint(path, optimizer, scheduler) -> tuple[dict, dict]:
     """Restores optimizer, scheduler and RNG states; returns (trainable tensors, state dict)."""
     state = read_checkpoint_state(path)
     trainable = load_file(os.path.join(path, "trainable.safetensors"))
-    optimizer_from_flat(optimizer, load_file(os.path.join(path, "optimizer.safetensors")),
-                        state["optimizer_param_groups"])
+    optimizer_from_flat(
+        optimizer, load_file(os.path.join(path, "optimizer.safetensors")), state["optimizer_param_groups"]
+    )
     if scheduler is not None and state.get("scheduler") is not None:
         sched = {k: v for k, v in state["scheduler"].items() if k != "lr_lambdas"}
         scheduler.load_state_dict({**scheduler.state_dict(), **sched})

@@ -24,8 +24,9 @@ def expand_paths(patterns, argument: str = "--data") -> list[str]:
     for pattern in patterns:
         pattern = str(pattern)
         if os.path.isdir(pattern):
-            found = sorted(os.path.join(pattern, n) for n in os.listdir(pattern)
-                           if os.path.isfile(os.path.join(pattern, n)))
+            found = sorted(
+                os.path.join(pattern, n) for n in os.listdir(pattern) if os.path.isfile(os.path.join(pattern, n))
+            )
         elif os.path.exists(pattern):
             found = [pattern]
         else:
@@ -70,8 +71,10 @@ def _read_datasets_file(path: str, kind: str, text_field: str) -> list[str]:
     try:
         import datasets
     except ImportError:
-        raise ValueError(f"{path}: reading .{kind} files needs the `datasets` package (pip install datasets), or "
-                         "convert the file to text / JSON lines.") from None
+        raise ValueError(
+            f"{path}: reading .{kind} files needs the `datasets` package (pip install datasets), or "
+            "convert the file to text / JSON lines."
+        ) from None
     table = datasets.load_dataset(kind, data_files=path, split="train")
     if text_field not in table.column_names:
         raise ValueError(f"{path}: no column `{text_field}` (columns: {table.column_names}); set `--text-field`.")
@@ -100,8 +103,10 @@ def read_texts(patterns, text_field: str = "text", argument: str = "--data") -> 
             raise ValueError(f"{path}: cannot be read ({error.strerror or error}).") from None
     texts = [t for t in texts if t.strip()]
     if not texts:
-        raise ValueError(f"No text in {list(map(str, patterns if not isinstance(patterns, str) else [patterns]))}: "
-                         "every file is empty.")
+        raise ValueError(
+            f"No text in {list(map(str, patterns if not isinstance(patterns, str) else [patterns]))}: "
+            "every file is empty."
+        )
     return texts
 
 
@@ -115,8 +120,10 @@ def pack_token_ids(documents: list[list[int]], block_size: int, separator: int |
             stream.append(separator)
     n = len(stream) // block_size
     if n == 0:
-        raise ValueError(f"The text holds {len(stream)} tokens, fewer than one block of `block_size`={block_size}: "
-                         "give more text or a smaller block size.")
+        raise ValueError(
+            f"The text holds {len(stream)} tokens, fewer than one block of `block_size`={block_size}: "
+            "give more text or a smaller block size."
+        )
     return torch.tensor(stream[: n * block_size], dtype=torch.long).view(n, block_size)
 
 
@@ -126,8 +133,10 @@ def check_block_size(block_size: int, config) -> None:
         raise ValueError(f"`block_size` must be an integer >= 2, got {block_size!r}.")
     limit = getattr(config, "max_position_embeddings", None)
     if limit is not None and block_size > limit:
-        raise ValueError(f"`block_size`={block_size} is beyond the model's positions "
-                         f"(`max_position_embeddings`={limit}); use at most {limit}.")
+        raise ValueError(
+            f"`block_size`={block_size} is beyond the model's positions "
+            f"(`max_position_embeddings`={limit}); use at most {limit}."
+        )
 
 
 def tokenize_blocks(texts: list[str], tokenizer, block_size: int) -> torch.LongTensor:
@@ -145,8 +154,9 @@ class BlockSplits:
     heldout: torch.LongTensor
 
 
-def split_blocks(blocks: torch.LongTensor, heldout_fraction: float = 0.1, min_heldout: int = 1,
-                 seed: int = 0) -> BlockSplits:
+def split_blocks(
+    blocks: torch.LongTensor, heldout_fraction: float = 0.1, min_heldout: int = 1, seed: int = 0
+) -> BlockSplits:
     """A seeded random split of blocks; at least `min_heldout` blocks are held out (when there are two or more)."""
     if not 0.0 <= heldout_fraction < 1.0:
         raise ValueError(f"`heldout_fraction` must be in [0, 1), got {heldout_fraction!r}.")
@@ -157,8 +167,15 @@ def split_blocks(blocks: torch.LongTensor, heldout_fraction: float = 0.1, min_he
     return BlockSplits(train=blocks[order[n_held:]], heldout=blocks[order[:n_held]])
 
 
-def load_blocks(patterns, tokenizer, block_size: int, config=None, text_field: str = "text",
-                heldout_fraction: float = 0.1, seed: int = 0) -> BlockSplits:
+def load_blocks(
+    patterns,
+    tokenizer,
+    block_size: int,
+    config=None,
+    text_field: str = "text",
+    heldout_fraction: float = 0.1,
+    seed: int = 0,
+) -> BlockSplits:
     """read_texts -> tokenize_blocks -> split_blocks, with the block size checked against `config` first."""
     if config is not None:
         check_block_size(block_size, config)
@@ -166,5 +183,13 @@ def load_blocks(patterns, tokenizer, block_size: int, config=None, text_field: s
     return split_blocks(blocks, heldout_fraction, seed=seed)
 
 
-__all__ = ["BlockSplits", "check_block_size", "expand_paths", "load_blocks", "pack_token_ids", "read_texts",
-           "split_blocks", "tokenize_blocks"]
+__all__ = [
+    "BlockSplits",
+    "check_block_size",
+    "expand_paths",
+    "load_blocks",
+    "pack_token_ids",
+    "read_texts",
+    "split_blocks",
+    "tokenize_blocks",
+]

@@ -30,10 +30,20 @@ from torch import nn
 from torch.nn import functional as F
 
 from ee_transformers.convert import check_weights, read_config
-from ee_transformers.tools.arguments import (ArgumentParser, InputError, add_config_arguments, config_from_args,
-                                             run_command)
+from ee_transformers.tools.arguments import (
+    ArgumentParser,
+    InputError,
+    add_config_arguments,
+    config_from_args,
+    run_command,
+)
 from ee_transformers.tools.outputs import OutputFolder
-from ee_transformers.training.checkpoint import latest_checkpoint, load_checkpoint, read_checkpoint_state, save_checkpoint
+from ee_transformers.training.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    read_checkpoint_state,
+    save_checkpoint,
+)
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -65,7 +75,9 @@ class FitConfig:
     lora_alpha: float | None = field(default=None, metadata={"help": "LoRA alpha (default 2 * rank)"})
     lora_dropout: float = 0.0
     lora_lr: float = field(default=2e-4, metadata={"help": "peak learning rate of the LoRA adapters"})
-    final_kl_weight: float = field(default=2.0, metadata={"help": "LoRA: weight of KL(original final || adapted final)"})
+    final_kl_weight: float = field(
+        default=2.0, metadata={"help": "LoRA: weight of KL(original final || adapted final)"}
+    )
     layer_dropout: float = field(default=0.0, metadata={"help": "LoRA: max layer-drop probability, rising with depth"})
     merge_lora: bool = field(default=True, metadata={"help": "LoRA: merge adapters into the weights at the end"})
     confidence_steps: int = field(default=0, metadata={"help": "steps of the learned-confidence stage (0 = skip)"})
@@ -74,8 +86,14 @@ class FitConfig:
 
     def __post_init__(self):
         positive = ("steps", "batch_size", "grad_accum", "eval_blocks", "keep_checkpoints")
-        non_negative = ("warmup_steps", "positions_per_block", "eval_every", "checkpoint_every", "lora_rank",
-                        "confidence_steps")
+        non_negative = (
+            "warmup_steps",
+            "positions_per_block",
+            "eval_every",
+            "checkpoint_every",
+            "lora_rank",
+            "confidence_steps",
+        )
         for name in positive + non_negative:
             value = getattr(self, name)
             low = 1 if name in positive else 0
@@ -179,7 +197,7 @@ def _gather(h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 def _kl(teacher_logp: torch.Tensor, student_logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """Mean over positions of KL(teacher || student) at temperature T, times T^2. Shapes (N, V)."""
     student_logp = F.log_softmax(student_logits.float() / temperature, dim=-1)
-    return F.kl_div(student_logp, teacher_logp, log_target=True, reduction="batchmean") * temperature ** 2
+    return F.kl_div(student_logp, teacher_logp, log_target=True, reduction="batchmean") * temperature**2
 
 
 class LayerDrop:
@@ -204,6 +222,7 @@ class LayerDrop:
             if self.active and layer.training and index in self.drop:
                 return args[0] if args else kwargs["hidden_states"]
             return forward(*args, **kwargs)
+
         return maybe_skip
 
     def draw(self, seed: int):
@@ -227,7 +246,9 @@ class DistillationStep(nn.Module):
         ee = _ee(model)
         self.exit_layers = list(ee.config.exit_layers)
         self.weights = exit_weights(self.exit_layers, config.exit_weighting)
-        self.layer_drop = LayerDrop(ee.family.layers(ee), config.layer_dropout) if lora and config.layer_dropout else None
+        self.layer_drop = (
+            LayerDrop(ee.family.layers(ee), config.layer_dropout) if lora and config.layer_dropout else None
+        )
 
     def teacher_context(self):
         return self.model.disable_adapter() if self.lora else nullcontext()
@@ -240,7 +261,9 @@ class DistillationStep(nn.Module):
             if self.layer_drop is not None:
                 self.layer_drop.active = False
             out = ee.family.decoder(ee)(input_ids=input_ids, output_hidden_states=True, use_cache=False)
-            teacher_logits = ee.family.head_logits(ee, _gather(out.hidden_states[-1], positions)).float().flatten(0, 1)  # (N, V)
+            teacher_logits = (
+                ee.family.head_logits(ee, _gather(out.hidden_states[-1], positions)).float().flatten(0, 1)
+            )  # (N, V)
             teacher_logp = F.log_softmax(teacher_logits / T, dim=-1)
             teacher_argmax = teacher_logits.argmax(-1)
         hidden = out.hidden_states
@@ -249,7 +272,9 @@ class DistillationStep(nn.Module):
         if self.lora:  # the student backbone, with gradients into the adapters
             if self.layer_drop is not None:
                 self.layer_drop.active = True
-            hidden = ee.family.decoder(ee)(input_ids=input_ids, output_hidden_states=True, use_cache=False).hidden_states
+            hidden = ee.family.decoder(ee)(
+                input_ids=input_ids, output_hidden_states=True, use_cache=False
+            ).hidden_states
             if self.layer_drop is not None:
                 self.layer_drop.active = False
             final_logits = ee.family.head_logits(ee, _gather(hidden[-1], positions)).flatten(0, 1)
@@ -289,7 +314,7 @@ def evaluate_exits(model, blocks: torch.LongTensor, batch_size: int = 4, lora: b
     count = 0
     device = ee.device
     for start in range(0, blocks.shape[0], batch_size):
-        ids = blocks[start:start + batch_size].to(device)
+        ids = blocks[start : start + batch_size].to(device)
         with model.disable_adapter() if lora else nullcontext():
             ref = ee.family.decoder(ee)(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
             ref_logits = ee.family.head_logits(ee, ref[-1]).float().flatten(0, 1)
@@ -308,8 +333,13 @@ def evaluate_exits(model, blocks: torch.LongTensor, batch_size: int = 4, lora: b
     for m, mode in modes:
         m.training = mode
     count = max(count, 1)
-    result = {"agreement": [round(float(a) / count, 4) for a in agree], "kl": [round(float(k) / count, 4) for k in kl],
-              "positions": count, "final_agreement": None, "final_kl": None}
+    result = {
+        "agreement": [round(float(a) / count, 4) for a in agree],
+        "kl": [round(float(k) / count, 4) for k in kl],
+        "positions": count,
+        "final_agreement": None,
+        "final_kl": None,
+    }
     if lora:
         result["final_agreement"], result["final_kl"] = round(final_agree / count, 4), round(final_kl / count, 4)
     return result
@@ -322,8 +352,13 @@ def attach_lora(model, config: FitConfig):
         from peft import LoraConfig, get_peft_model
     except ImportError:
         raise ValueError("`lora_rank` > 0 needs peft: pip install 'ee-transformers[train]'.") from None
-    lora_config = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha or 2 * config.lora_rank,
-                             lora_dropout=config.lora_dropout, target_modules=LORA_TARGETS, bias="none")
+    lora_config = LoraConfig(
+        r=config.lora_rank,
+        lora_alpha=config.lora_alpha or 2 * config.lora_rank,
+        lora_dropout=config.lora_dropout,
+        target_modules=LORA_TARGETS,
+        bias="none",
+    )
     # names match the decoder layers' projections only (the exit adapters' modules are `down` / `up`)
     return get_peft_model(model, lora_config)
 
@@ -349,12 +384,18 @@ def _freeze_for_fitting(model, lora: bool):
 
 def _check_resume(state: dict, model, config: FitConfig):
     ee = _ee(model)
-    want = {"exit_layers": list(ee.config.exit_layers), "exit_head": ee.config.exit_head,
-            "exit_adapter_rank": ee.config.exit_adapter_rank, "lora_rank": config.lora_rank}
+    want = {
+        "exit_layers": list(ee.config.exit_layers),
+        "exit_head": ee.config.exit_head,
+        "exit_adapter_rank": ee.config.exit_adapter_rank,
+        "lora_rank": config.lora_rank,
+    }
     for key, value in want.items():
         if key in state.get("meta", {}) and state["meta"][key] != value:
-            raise ValueError(f"Cannot resume: the checkpoint was made with `{key}`={state['meta'][key]!r}, this run "
-                             f"has {value!r}. Use the same settings or start a new run.")
+            raise ValueError(
+                f"Cannot resume: the checkpoint was made with `{key}`={state['meta'][key]!r}, this run "
+                f"has {value!r}. Use the same settings or start a new run."
+            )
     if state["step"] > config.steps:
         raise ValueError(f"Cannot resume: the checkpoint is at step {state['step']}, beyond `steps`={config.steps}.")
 
@@ -371,9 +412,16 @@ def resolve_resume(resume, checkpoint_dir):
     return found or resume
 
 
-def fit_exit_heads(model, train_blocks: torch.LongTensor, heldout_blocks: torch.LongTensor | None = None,
-                   config: FitConfig | None = None, checkpoint_dir=None, resume=None, accelerator=None,
-                   on_step=None) -> FitResult:
+def fit_exit_heads(
+    model,
+    train_blocks: torch.LongTensor,
+    heldout_blocks: torch.LongTensor | None = None,
+    config: FitConfig | None = None,
+    checkpoint_dir=None,
+    resume=None,
+    accelerator=None,
+    on_step=None,
+) -> FitResult:
     """Fits the exit heads of an early-exit `model` (from `ee_transformers.from_base`) on packed `train_blocks`
     `(n, block_size)`; evaluates on `heldout_blocks` before and after.
 
@@ -388,10 +436,14 @@ def fit_exit_heads(model, train_blocks: torch.LongTensor, heldout_blocks: torch.
     ee = _ee(model)
     exits = list(ee.config.exit_layers)
     if not exits:
-        raise ValueError("The model has no exit heads (`config.exit_layers` is empty): load it with "
-                         "`ee_transformers.from_base(path, exit_layers=[...])`.")
+        raise ValueError(
+            "The model has no exit heads (`config.exit_layers` is empty): load it with "
+            "`ee_transformers.from_base(path, exit_layers=[...])`."
+        )
     if train_blocks.ndim != 2 or train_blocks.shape[0] == 0:
-        raise ValueError(f"`train_blocks` must be a non-empty (n, block_size) tensor, got shape {tuple(train_blocks.shape)}.")
+        raise ValueError(
+            f"`train_blocks` must be a non-empty (n, block_size) tensor, got shape {tuple(train_blocks.shape)}."
+        )
     from ee_transformers.training.data import check_block_size
 
     check_block_size(int(train_blocks.shape[1]), ee.config)
@@ -449,8 +501,13 @@ def fit_exit_heads(model, train_blocks: torch.LongTensor, heldout_blocks: torch.
         from tqdm.auto import tqdm
 
         progress = tqdm(total=config.steps, initial=start_step, desc="fit exit heads", dynamic_ncols=True)
-    meta = {"exit_layers": exits, "exit_head": ee.config.exit_head, "exit_adapter_rank": ee.config.exit_adapter_rank,
-            "lora_rank": config.lora_rank, "config": asdict(config)}
+    meta = {
+        "exit_layers": exits,
+        "exit_head": ee.config.exit_head,
+        "exit_adapter_rank": ee.config.exit_adapter_rank,
+        "lora_rank": config.lora_rank,
+        "config": asdict(config),
+    }
     try:
         running_agree = None
         for step in range(start_step, config.steps):
@@ -460,12 +517,13 @@ def fit_exit_heads(model, train_blocks: torch.LongTensor, heldout_blocks: torch.
                 first = (m * world + rank) * config.batch_size
                 samples = range(first, first + config.batch_size)
                 ids = torch.stack([train_blocks[stream.block_index(g)] for g in samples]).to(accelerator.device)
-                pos = torch.stack([sample_positions(block_size, config.positions_per_block, config.seed, g)
-                                   for g in samples]).to(accelerator.device)
+                pos = torch.stack(
+                    [sample_positions(block_size, config.positions_per_block, config.seed, g) for g in samples]
+                ).to(accelerator.device)
                 if step_module.layer_drop is not None:
                     step_module.layer_drop.draw(config.seed * 1_000_003 + 500_009 * (m + 1))
                 sync = micro == config.grad_accum - 1
-                with (nullcontext() if sync else accelerator.no_sync(wrapped)), accelerator.autocast():
+                with nullcontext() if sync else accelerator.no_sync(wrapped), accelerator.autocast():
                     loss, agree, final_agree = wrapped(ids, pos)
                     accelerator.backward(loss / config.grad_accum)
                 step_loss += float(loss.detach()) / config.grad_accum
@@ -479,8 +537,12 @@ def fit_exit_heads(model, train_blocks: torch.LongTensor, heldout_blocks: torch.
             prepared_optimizer.zero_grad(set_to_none=True)
             done = step + 1
             running_agree = step_agree if running_agree is None else 0.9 * running_agree + 0.1 * step_agree
-            metrics = {"step": done, "loss": round(step_loss, 5), "agreement": [round(float(a), 4) for a in step_agree],
-                       "lr": scheduler.get_last_lr()[0]}
+            metrics = {
+                "step": done,
+                "loss": round(step_loss, 5),
+                "agreement": [round(float(a), 4) for a in step_agree],
+                "lr": scheduler.get_last_lr()[0],
+            }
             if step_final:
                 metrics["final_agreement"] = round(sum(step_final) / len(step_final), 4)
             if config.eval_every and done % config.eval_every == 0 and done < config.steps and heldout is not None:
@@ -496,10 +558,20 @@ def fit_exit_heads(model, train_blocks: torch.LongTensor, heldout_blocks: torch.
             if checkpoint_dir and config.checkpoint_every and done % config.checkpoint_every == 0:
                 accelerator.wait_for_everyone()
                 if accelerator.is_main_process:
-                    save_checkpoint(checkpoint_dir, done, trainable_state(model), optimizer, scheduler,
-                                    {"meta": meta, "before": before, "history": history,
-                                     "data_position": (done * config.grad_accum) * world * config.batch_size},
-                                    keep=config.keep_checkpoints)
+                    save_checkpoint(
+                        checkpoint_dir,
+                        done,
+                        trainable_state(model),
+                        optimizer,
+                        scheduler,
+                        {
+                            "meta": meta,
+                            "before": before,
+                            "history": history,
+                            "data_position": (done * config.grad_accum) * world * config.batch_size,
+                        },
+                        keep=config.keep_checkpoints,
+                    )
             if on_step is not None and accelerator.is_main_process:
                 on_step(done, metrics)
     finally:  # a killed or failed run leaves the model as it found it
@@ -509,7 +581,11 @@ def fit_exit_heads(model, train_blocks: torch.LongTensor, heldout_blocks: torch.
             progress.close()
     accelerator.wait_for_everyone()
     _ee(model).eval()
-    after = evaluate_exits(model, heldout.to(accelerator.device), config.batch_size, lora=lora) if heldout is not None else None
+    after = (
+        evaluate_exits(model, heldout.to(accelerator.device), config.batch_size, lora=lora)
+        if heldout is not None
+        else None
+    )
 
     result = FitResult(model=model, exit_layers=exits, steps=config.steps, history=history)
     if before:
@@ -534,8 +610,11 @@ def make_accelerator(mixed_precision: str = "no", find_unused_parameters: bool =
     from accelerate import Accelerator, DistributedDataParallelKwargs
     from accelerate.state import AcceleratorState
 
-    kwargs = dict(mixed_precision=mixed_precision, cpu=not torch.cuda.is_available(),
-                  kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=find_unused_parameters)])
+    kwargs = dict(
+        mixed_precision=mixed_precision,
+        cpu=not torch.cuda.is_available(),
+        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=find_unused_parameters)],
+    )
     try:
         return Accelerator(**kwargs)
     except ValueError:
@@ -588,11 +667,14 @@ def fit_confidence_heads(model, train_blocks, heldout_blocks, config: FitConfig,
     for step in range(config.confidence_steps):
         samples = range(step * config.batch_size, (step + 1) * config.batch_size)
         ids = torch.stack([train_blocks[stream.block_index(g)] for g in samples]).to(device)
-        pos = torch.stack([sample_positions(block_size, config.positions_per_block, config.seed + 1, g)
-                           for g in samples]).to(device)
+        pos = torch.stack(
+            [sample_positions(block_size, config.positions_per_block, config.seed + 1, g) for g in samples]
+        ).to(device)
         feats, labels = features(ids, pos)
-        loss = sum(F.binary_cross_entropy_with_logits(heads[i].proj(x).squeeze(-1).float(), y)
-                   for i, (x, y) in enumerate(zip(feats, labels)))
+        loss = sum(
+            F.binary_cross_entropy_with_logits(heads[i].proj(x).squeeze(-1).float(), y)
+            for i, (x, y) in enumerate(zip(feats, labels))
+        )
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -603,7 +685,7 @@ def fit_confidence_heads(model, train_blocks, heldout_blocks, config: FitConfig,
     if heldout_blocks is not None and len(heldout_blocks):
         correct, positive, total = torch.zeros(len(exits)), torch.zeros(len(exits)), 0
         for start in range(0, heldout_blocks.shape[0], config.batch_size):
-            ids = heldout_blocks[start:start + config.batch_size].to(device)
+            ids = heldout_blocks[start : start + config.batch_size].to(device)
             pos = torch.arange(block_size, device=device).expand(ids.shape[0], -1)
             feats, labels = features(ids, pos)
             with torch.no_grad():
@@ -643,8 +725,16 @@ def write_model_folder(model, folder, tokenizer=None, card_data: dict | None = N
             json.dump(payload, f, indent=1)
 
 
-def save_model_folder(model, out, tokenizer=None, card_data: dict | None = None, reports: dict | None = None,
-                      carry_from=None, overwrite: bool = False, command: str | None = None) -> str:
+def save_model_folder(
+    model,
+    out,
+    tokenizer=None,
+    card_data: dict | None = None,
+    reports: dict | None = None,
+    carry_from=None,
+    overwrite: bool = False,
+    command: str | None = None,
+) -> str:
     """Writes a Hub-ready early-exit folder atomically (`ee_transformers.tools.outputs.OutputFolder`): `out` is
     either its previous self or the complete new folder, never half written. A non-empty `out` needs `overwrite`
     (and then must be a folder an ee-transformers command wrote); `carry_from`: a folder whose other entries
@@ -664,19 +754,33 @@ def agreement_table(exits, before, after, final_before=None, final_after=None) -
         if values is None:
             continue
         cells = " | ".join(f"{v:.3f}" for v in values)
-        extra = f" | {final:.3f}" if final_after is not None and final is not None else (" | -" if final_after is not None else "")
+        extra = (
+            f" | {final:.3f}"
+            if final_after is not None and final is not None
+            else (" | -" if final_after is not None else "")
+        )
         rows.append(f"| {label} | {cells}{extra} |")
     return "\n".join(rows)
 
 
-def training_card(result: FitResult, config: FitConfig, base_model: str | None, data_desc: str, n_train: int,
-                  n_heldout: int, block_size: int, world: int = 1, quantized: str | None = None) -> str:
+def training_card(
+    result: FitResult,
+    config: FitConfig,
+    base_model: str | None,
+    data_desc: str,
+    n_train: int,
+    n_heldout: int,
+    block_size: int,
+    world: int = 1,
+    quantized: str | None = None,
+) -> str:
     tokens = config.steps * config.grad_accum * config.batch_size * world * block_size
     lines = [
         f"Exit heads fitted by self-distillation from {f'`{base_model}`' if base_model else 'the base model'}'s own "
         "final layer "
         f"(KL at temperature {config.temperature}"
-        + (f", plus next-token cross-entropy weight {config.ce_weight}" if config.ce_weight else "") + ").",
+        + (f", plus next-token cross-entropy weight {config.ce_weight}" if config.ce_weight else "")
+        + ").",
         "",
         f"- data: {data_desc}; {n_train} training blocks and {n_heldout} held-out blocks of {block_size} tokens",
         f"- steps: {config.steps} x {config.grad_accum * config.batch_size * world} blocks "
@@ -685,31 +789,53 @@ def training_card(result: FitResult, config: FitConfig, base_model: str | None, 
         f"mixed precision `{config.mixed_precision}`, seed {config.seed}",
     ]
     if config.lora_rank:
-        lines.append(f"- backbone: LoRA rank {config.lora_rank} (alpha {config.lora_alpha or 2 * config.lora_rank}) on "
-                     f"{', '.join(LORA_TARGETS)}, lr {config.lora_lr}, final-layer KL weight {config.final_kl_weight}, "
-                     f"layer dropout {config.layer_dropout}; adapters "
-                     + ("merged into the weights" if config.merge_lora else "kept separately (see `lora_adapter/`)"))
+        lines.append(
+            f"- backbone: LoRA rank {config.lora_rank} (alpha {config.lora_alpha or 2 * config.lora_rank}) on "
+            f"{', '.join(LORA_TARGETS)}, lr {config.lora_lr}, final-layer KL weight {config.final_kl_weight}, "
+            f"layer dropout {config.layer_dropout}; adapters "
+            + ("merged into the weights" if config.merge_lora else "kept separately (see `lora_adapter/`)")
+        )
         if result.final_agreement is not None:
-            lines.append(f"- **the final layer moved**: its argmax agrees with the original model's on "
-                         f"{result.final_agreement:.3f} of held-out positions (KL {result.final_kl:.4f}); this is a "
-                         "slightly different model from the base")
+            lines.append(
+                f"- **the final layer moved**: its argmax agrees with the original model's on "
+                f"{result.final_agreement:.3f} of held-out positions (KL {result.final_kl:.4f}); this is a "
+                "slightly different model from the base"
+            )
     else:
         lines.append("- backbone: frozen (bit-identical to the base model); only the exit heads were trained")
     if quantized:
-        lines.append(f"- the frozen backbone was loaded in {quantized} (bitsandbytes) while fitting, and the agreements "
-                     "below were measured on it; this folder holds the original full-precision weights")
+        lines.append(
+            f"- the frozen backbone was loaded in {quantized} (bitsandbytes) while fitting, and the agreements "
+            "below were measured on it; this folder holds the original full-precision weights"
+        )
     if result.confidence:
-        lines.append(f"- learned confidence heads: {result.confidence['steps']} steps; held-out accuracy "
-                     f"{result.confidence['accuracy']}")
+        lines.append(
+            f"- learned confidence heads: {result.confidence['steps']} steps; held-out accuracy "
+            f"{result.confidence['accuracy']}"
+        )
     if result.agreement_before is not None:
-        lines += ["", "Argmax agreement of each exit with the original model's final layer (held-out blocks, every "
-                  "position):", "",
-                  agreement_table(result.exit_layers, result.agreement_before, result.agreement_after,
-                                  1.0 if config.lora_rank else None, result.final_agreement)]
+        lines += [
+            "",
+            "Argmax agreement of each exit with the original model's final layer (held-out blocks, every position):",
+            "",
+            agreement_table(
+                result.exit_layers,
+                result.agreement_before,
+                result.agreement_after,
+                1.0 if config.lora_rank else None,
+                result.final_agreement,
+            ),
+        ]
         if result.kl_before is not None and result.kl_after is not None:
-            lines += ["", "Mean KL(original final || exit): "
-                      + ", ".join(f"exit {e} {b:.3f} -> {a:.3f}"
-                                  for e, b, a in zip(result.exit_layers, result.kl_before, result.kl_after)) + "."]
+            lines += [
+                "",
+                "Mean KL(original final || exit): "
+                + ", ".join(
+                    f"exit {e} {b:.3f} -> {a:.3f}"
+                    for e, b, a in zip(result.exit_layers, result.kl_before, result.kl_after)
+                )
+                + ".",
+            ]
     return "\n".join(lines)
 
 
@@ -728,8 +854,9 @@ def build_parser():
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     p.add_argument("--checkpoint-dir", help="default: <out>.checkpoints")
     p.add_argument("--resume", help="a checkpoint folder, or 'auto' for the newest in --checkpoint-dir")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="weights dtype of the backbone")
+    p.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights dtype of the backbone"
+    )
     q = p.add_mutually_exclusive_group()
     q.add_argument("--load-in-4bit", action="store_true", help="frozen backbone through bitsandbytes 4-bit")
     q.add_argument("--load-in-8bit", action="store_true", help="frozen backbone through bitsandbytes 8-bit")
@@ -747,8 +874,10 @@ def _quantization_config(args):
         import bitsandbytes  # noqa: F401
         from transformers import BitsAndBytesConfig
     except Exception as error:  # noqa: BLE001 - any import failure means "not supported here"
-        raise ValueError(f"`{flag}` needs bitsandbytes, which cannot be imported on this platform ({error}); drop the "
-                         "flag to fit on the full-precision backbone.") from None
+        raise ValueError(
+            f"`{flag}` needs bitsandbytes, which cannot be imported on this platform ({error}); drop the "
+            "flag to fit on the full-precision backbone."
+        ) from None
     # the skip list replaces transformers' defaults: keep the LM head and every head we train in full precision
     skip = ["lm_head", "exit_heads", "confidence_heads"]
     if args.load_in_4bit:
@@ -776,8 +905,11 @@ def _load(args, exit_layers, head, rank, quantization=None):
 def _full_precision_copy(args, result, exit_layers, head, rank, config):
     """After fitting on a quantized backbone: the same trained heads (and LoRA, merged) on the original full-precision
     weights, so the saved folder does not need bitsandbytes."""
-    state = {n: t.detach().cpu() for n, t in result.model.state_dict().items()
-             if n.startswith(("exit_heads.", "confidence_heads.")) or "lora_" in n}
+    state = {
+        n: t.detach().cpu()
+        for n, t in result.model.state_dict().items()
+        if n.startswith(("exit_heads.", "confidence_heads.")) or "lora_" in n
+    }
     model = _load(args, exit_layers, head, rank)
     if result.confidence:
         model.add_confidence_heads()
@@ -837,36 +969,59 @@ def _run(args):
         meta = state.get("meta", {})
         want = exit_layers or folder_config.get("exit_layers")
         if meta.get("exit_layers") is not None and meta["exit_layers"] != want:
-            raise ValueError(f"`--exit-layers` {want} disagree with the checkpoint being resumed "
-                             f"({resume_path}: {meta['exit_layers']}).")
+            raise ValueError(
+                f"`--exit-layers` {want} disagree with the checkpoint being resumed "
+                f"({resume_path}: {meta['exit_layers']})."
+            )
         if meta.get("lora_rank", 0) != config.lora_rank:
-            raise ValueError(f"`--lora-rank` {config.lora_rank} disagrees with the checkpoint being resumed "
-                             f"({meta.get('lora_rank')}).")
+            raise ValueError(
+                f"`--lora-rank` {config.lora_rank} disagrees with the checkpoint being resumed "
+                f"({meta.get('lora_rank')})."
+            )
     quantization = _quantization_config(args)
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.model)
     except Exception as error:  # noqa: BLE001
         raise ValueError(f"`--model` {args.model!r}: no usable tokenizer in the folder ({error}).") from None
-    splits = load_blocks(args.data, tokenizer, args.block_size, text_field=args.text_field,
-                         heldout_fraction=args.heldout_fraction, seed=config.seed)
+    splits = load_blocks(
+        args.data,
+        tokenizer,
+        args.block_size,
+        text_field=args.text_field,
+        heldout_fraction=args.heldout_fraction,
+        seed=config.seed,
+    )
 
     # ---- the work --------------------------------------------------------------------------------------------------
     accelerator = make_accelerator(config.mixed_precision, bool(config.layer_dropout))
     torch.manual_seed(config.seed)  # the exit adapters' initial down-projections (DDP then broadcasts rank 0's)
-    model = _load(args, exit_layers, head, rank, quantization).to(accelerator.device) if quantization is None else \
-        _load(args, exit_layers, head, rank, quantization)
+    model = (
+        _load(args, exit_layers, head, rank, quantization).to(accelerator.device)
+        if quantization is None
+        else _load(args, exit_layers, head, rank, quantization)
+    )
     exit_layers = list(model.config.exit_layers)
-    accelerator.print(f"{type(model).__name__}: exits after layers {exit_layers} of {model.config.num_hidden_layers}; "
-                      f"{splits.train.shape[0]} training / {splits.heldout.shape[0]} held-out blocks of {args.block_size}; "
-                      f"{accelerator.num_processes} process(es) on {accelerator.device}")
-    result = fit_exit_heads(model, splits.train, splits.heldout, config, checkpoint_dir=checkpoint_dir,
-                            resume=args.resume, accelerator=accelerator)
+    accelerator.print(
+        f"{type(model).__name__}: exits after layers {exit_layers} of {model.config.num_hidden_layers}; "
+        f"{splits.train.shape[0]} training / {splits.heldout.shape[0]} held-out blocks of {args.block_size}; "
+        f"{accelerator.num_processes} process(es) on {accelerator.device}"
+    )
+    result = fit_exit_heads(
+        model,
+        splits.train,
+        splits.heldout,
+        config,
+        checkpoint_dir=checkpoint_dir,
+        resume=args.resume,
+        accelerator=accelerator,
+    )
     if not accelerator.is_main_process:
         return 0
     final = result.model
     if quantization is not None:
-        final = _full_precision_copy(args, result, exit_layers, model.config.exit_head,
-                                     model.config.exit_adapter_rank, config)
+        final = _full_precision_copy(
+            args, result, exit_layers, model.config.exit_head, model.config.exit_adapter_rank, config
+        )
     ee = _ee(final)
     if any(value is not None for value in ee.exit_defaults.values()):
         # decoding settings calibrated for the old heads no longer hold: back to full depth until recalibrated
@@ -876,27 +1031,49 @@ def _run(args):
     from ee_transformers.training.data import expand_paths
 
     data_files = expand_paths(args.data)
-    data_desc = ", ".join(sorted({os.path.basename(p) for p in data_files})[:8]) + \
-        (f" and {len(data_files) - 8} more files" if len(data_files) > 8 else "")
+    data_desc = ", ".join(sorted({os.path.basename(p) for p in data_files})[:8]) + (
+        f" and {len(data_files) - 8} more files" if len(data_files) > 8 else ""
+    )
     base_model = (getattr(ee, "card_data", None) or {}).get("base_model")  # from_base read it from the source
-    card = {"training": training_card(result, config, base_model, data_desc, splits.train.shape[0],
-                                      splits.heldout.shape[0], args.block_size, accelerator.num_processes,
-                                      quantized="4-bit" if args.load_in_4bit else "8-bit" if args.load_in_8bit else None)}
+    card = {
+        "training": training_card(
+            result,
+            config,
+            base_model,
+            data_desc,
+            splits.train.shape[0],
+            splits.heldout.shape[0],
+            args.block_size,
+            accelerator.num_processes,
+            quantized="4-bit" if args.load_in_4bit else "8-bit" if args.load_in_8bit else None,
+        )
+    }
     if kept_adapters:
-        card["notes"] = ("## LoRA adapters\n\nThe weights here are the ORIGINAL backbone; the fitted LoRA adapters are in "
-                         "`lora_adapter/`. Load with `peft.PeftModel.from_pretrained(model, 'path/lora_adapter')`.")
-    report = {"base_model": base_model, "exit_layers": exit_layers, "data": list(args.data),
-              "train_blocks": int(splits.train.shape[0]), "heldout_blocks": int(splits.heldout.shape[0]),
-              "block_size": args.block_size, "config": asdict(config), "card": card,
-              **{k: v for k, v in result.summary().items() if k != "history"},
-              "history_tail": result.history[-5:]}
+        card["notes"] = (
+            "## LoRA adapters\n\nThe weights here are the ORIGINAL backbone; the fitted LoRA adapters are in "
+            "`lora_adapter/`. Load with `peft.PeftModel.from_pretrained(model, 'path/lora_adapter')`."
+        )
+    report = {
+        "base_model": base_model,
+        "exit_layers": exit_layers,
+        "data": list(args.data),
+        "train_blocks": int(splits.train.shape[0]),
+        "heldout_blocks": int(splits.heldout.shape[0]),
+        "block_size": args.block_size,
+        "config": asdict(config),
+        "card": card,
+        **{k: v for k, v in result.summary().items() if k != "history"},
+        "history_tail": result.history[-5:],
+    }
     with output.writing("fit") as folder:
         if kept_adapters:
             final.save_pretrained(os.path.join(folder, "lora_adapter"))
             ee = final.unload()  # the original backbone weights, adapter modules removed (not merged)
         write_model_folder(ee, folder, tokenizer, card, {"fit_report.json": report})
-    print(f"Wrote {args.out}: held-out agreement per exit {result.agreement_before} -> {result.agreement_after}"
-          + (f"; final layer vs original {result.final_agreement}" if result.final_agreement is not None else ""))
+    print(
+        f"Wrote {args.out}: held-out agreement per exit {result.agreement_before} -> {result.agreement_after}"
+        + (f"; final layer vs original {result.final_agreement}" if result.final_agreement is not None else "")
+    )
     return 0
 
 

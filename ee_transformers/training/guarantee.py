@@ -27,8 +27,10 @@ def binomial_tail(errors: int, n: int, epsilon: float) -> float:
     if n <= 0 or not 0 <= errors <= n:
         raise ValueError(f"need 0 <= errors <= n and n > 0, got errors={errors}, n={n}.")
     log_eps, log_rest = math.log(epsilon), math.log1p(-epsilon)
-    terms = [math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1) + k * log_eps + (n - k) * log_rest
-             for k in range(errors + 1)]
+    terms = [
+        math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1) + k * log_eps + (n - k) * log_rest
+        for k in range(errors + 1)
+    ]
     top = max(terms)
     return min(1.0, math.exp(top) * sum(math.exp(t - top) for t in terms))
 

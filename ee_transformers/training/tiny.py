@@ -7,9 +7,19 @@ import random
 import torch
 from transformers import PreTrainedTokenizerFast
 
-TINY = dict(vocab_size=99, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=98, max_position_embeddings=128,
-            initializer_range=0.3)  # a large init makes the random model's distributions peaked, like a real LM's
+TINY = dict(
+    vocab_size=99,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=98,
+    max_position_embeddings=128,
+    initializer_range=0.3,
+)  # a large init makes the random model's distributions peaked, like a real LM's
 WORDS = [f"w{i}" for i in range(95)]
 
 
@@ -20,8 +30,9 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     vocab = {"<pad>": 0, "<s>": 1, "<unk>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}, "</s>": 98}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                                   unk_token="<unk>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
 
 
 def tiny_texts(n_docs: int = 8, words_per_doc: int = 200, seed: int = 0) -> list[str]:
@@ -45,15 +56,17 @@ def save_tiny_base(folder, family: str = "llama", seed: int = 0, **overrides) ->
     import transformers as tf
 
     gemma = {"head_dim": 8, "query_pre_attn_scalar": 8}
-    families = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM, {}),
-                "mistral": (tf.MistralConfig, tf.MistralForCausalLM, {"sliding_window": None}),
-                "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, {}),
-                "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, {"head_dim": 8}),
-                "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM, gemma),
-                "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM, gemma),
-                "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM, {}),
-                "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM, {}),
-                "gpt2": (tf.GPT2Config, tf.GPT2LMHeadModel, {"n_inner": TINY["intermediate_size"]})}
+    families = {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM, {}),
+        "mistral": (tf.MistralConfig, tf.MistralForCausalLM, {"sliding_window": None}),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, {}),
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, {"head_dim": 8}),
+        "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM, gemma),
+        "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM, gemma),
+        "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM, {}),
+        "olmo2": (tf.Olmo2Config, tf.Olmo2ForCausalLM, {}),
+        "gpt2": (tf.GPT2Config, tf.GPT2LMHeadModel, {"n_inner": TINY["intermediate_size"]}),
+    }
     if family not in families:
         raise ValueError(f"`family` must be one of {list(families)}, got {family!r}.")
     config_cls, model_cls, extra = families[family]

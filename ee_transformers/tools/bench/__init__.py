@@ -29,14 +29,43 @@ configurations and the whole benchmark), `report` (targets, table, plots, files)
 
 from ee_transformers.tools.bench.cli import build_parser, main
 from ee_transformers.tools.bench.config import BenchConfig, Variant
-from ee_transformers.tools.bench.forced import (FORCED_GRID, FORCED_MODES, FORCED_PROFILES, ForcedExits,
-                                                ForcedProfile, forced_profile)
-from ee_transformers.tools.bench.loading import (HELDOUT_REGIONS, heldout_prompts, load_models, make_batches,
-                                                 plain_twin, random_prompts)
-from ee_transformers.tools.bench.report import (TARGETS, evaluate_targets, format_table, frontier_points, jsonable,
-                                                plot_frontier, plot_histogram, write_outputs)
-from ee_transformers.tools.bench.run import (SWEEP_FULL, SWEEP_GRIDS, SWEEP_MEDIUM, SWEEP_SMALL, calibrated_variant,
-                                             forced_variants, machine_info, run_benchmark, sweep_variants)
+from ee_transformers.tools.bench.forced import (
+    FORCED_GRID,
+    FORCED_MODES,
+    FORCED_PROFILES,
+    ForcedExits,
+    ForcedProfile,
+    forced_profile,
+)
+from ee_transformers.tools.bench.loading import (
+    HELDOUT_REGIONS,
+    heldout_prompts,
+    load_models,
+    make_batches,
+    plain_twin,
+    random_prompts,
+)
+from ee_transformers.tools.bench.report import (
+    TARGETS,
+    evaluate_targets,
+    format_table,
+    frontier_points,
+    jsonable,
+    plot_frontier,
+    plot_histogram,
+    write_outputs,
+)
+from ee_transformers.tools.bench.run import (
+    SWEEP_FULL,
+    SWEEP_GRIDS,
+    SWEEP_MEDIUM,
+    SWEEP_SMALL,
+    calibrated_variant,
+    forced_variants,
+    machine_info,
+    run_benchmark,
+    sweep_variants,
+)
 from ee_transformers.tools.bench.step_profile import profile_step
 from ee_transformers.tools.bench.timing import agreement, compare, compare_many
 from ee_transformers.tools.costs import measure_costs

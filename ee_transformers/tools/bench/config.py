@@ -19,33 +19,53 @@ class BenchConfig:
     sweep)."""
 
     batch_sizes: list[int] = field(default_factory=lambda: [1, 8], metadata={"help": "batch sizes measured", "min": 1})
-    max_batches: list[int] = field(default_factory=lambda: [2], metadata={
-        "help": "batches per batch size: one value, or one per batch size", "min": 1})
+    max_batches: list[int] = field(
+        default_factory=lambda: [2],
+        metadata={"help": "batches per batch size: one value, or one per batch size", "min": 1},
+    )
     num_prompts: int = field(default=16, metadata={"help": "held-out prompts (windows of text)", "min": 1})
     prompt_tokens: int = field(default=64, metadata={"help": "tokens per prompt", "min": 1})
     new_tokens: int = field(default=128, metadata={"help": "greedy tokens generated per run", "min": 1})
     repeats: int = field(default=3, metadata={"help": "rounds of every comparison", "min": 1})
-    main_repeats: int | None = field(default=None, metadata={
-        "help": "rounds of the calibrated and exits-disabled runs, whose targets sit within a few percent of 1.0x "
-                "(default: 2 x repeats)", "min": 1})
-    calibrated: str = field(default="auto", metadata={
-        "help": "the calibrated settings (generate() without exit arguments): 'auto' measures them when the model "
-                "stores any, 'always' also when its calibration left exits off, 'off' never",
-        "choices": ("auto", "always", "off")})
+    main_repeats: int | None = field(
+        default=None,
+        metadata={
+            "help": "rounds of the calibrated and exits-disabled runs, whose targets sit within a few percent of 1.0x "
+            "(default: 2 x repeats)",
+            "min": 1,
+        },
+    )
+    calibrated: str = field(
+        default="auto",
+        metadata={
+            "help": "the calibrated settings (generate() without exit arguments): 'auto' measures them when the model "
+            "stores any, 'always' also when its calibration left exits off, 'off' never",
+            "choices": ("auto", "always", "off"),
+        },
+    )
     disabled: bool = field(default=True, metadata={"help": "measure exits disabled (the class's full-depth overhead)"})
     sweep: bool = field(default=True, metadata={"help": "measure the sweep of criteria x thresholds x policies"})
-    sweep_grid: str = field(default="full", metadata={"help": "thresholds per criterion",
-                                                      "choices": ("small", "medium", "full")})
-    sweep_repeats: int | None = field(default=None, metadata={"help": "rounds of the sweep (default: repeats)",
-                                                              "min": 1})
-    sweep_batch_sizes: list[int] | None = field(default=None, metadata={
-        "help": "run the sweep at these batch sizes only (default: all)", "min": 1})
+    sweep_grid: str = field(
+        default="full", metadata={"help": "thresholds per criterion", "choices": ("small", "medium", "full")}
+    )
+    sweep_repeats: int | None = field(
+        default=None, metadata={"help": "rounds of the sweep (default: repeats)", "min": 1}
+    )
+    sweep_batch_sizes: list[int] | None = field(
+        default=None, metadata={"help": "run the sweep at these batch sizes only (default: all)", "min": 1}
+    )
     forced: bool = field(default=True, metadata={"help": "measure forced exit profiles (implementation efficiency)"})
-    forced_grid: str = field(default="profiles", metadata={
-        "help": "profiles: 25%@1/4, 50%@1/2, 75%@3/4, mixed; full: every share at every depth",
-        "choices": ("profiles", "full")})
-    forced_modes: list[str] = field(default_factory=lambda: list(FORCED_MODE_NAMES), metadata={
-        "help": "policy/kv modes of the forced profiles", "choices": FORCED_MODE_NAMES})
+    forced_grid: str = field(
+        default="profiles",
+        metadata={
+            "help": "profiles: 25%@1/4, 50%@1/2, 75%@3/4, mixed; full: every share at every depth",
+            "choices": ("profiles", "full"),
+        },
+    )
+    forced_modes: list[str] = field(
+        default_factory=lambda: list(FORCED_MODE_NAMES),
+        metadata={"help": "policy/kv modes of the forced profiles", "choices": FORCED_MODE_NAMES},
+    )
     profile: bool = field(default=True, metadata={"help": "profile where one decoding step's time goes"})
     cost_repeats: int = field(default=30, metadata={"help": "timed calls per piece of the cost model", "min": 1})
     warmup: bool = field(default=True, metadata={"help": "one short untimed generate per configuration first"})
@@ -54,12 +74,15 @@ class BenchConfig:
     def __post_init__(self):
         check_fields(self)
         if len(self.max_batches) not in (1, len(self.batch_sizes)):
-            raise ValueError(f"`max_batches` must hold one value or one per batch size ({len(self.batch_sizes)}), "
-                             f"got {self.max_batches}.")
+            raise ValueError(
+                f"`max_batches` must hold one value or one per batch size ({len(self.batch_sizes)}), "
+                f"got {self.max_batches}."
+            )
         unknown = sorted(set(self.sweep_batch_sizes or ()) - set(self.batch_sizes))
         if unknown:
-            raise ValueError(f"`sweep_batch_sizes` holds {unknown}, which are not measured: allowed values are "
-                             f"{self.batch_sizes}.")
+            raise ValueError(
+                f"`sweep_batch_sizes` holds {unknown}, which are not measured: allowed values are {self.batch_sizes}."
+            )
 
     @classmethod
     def quick(cls, **overrides) -> "BenchConfig":

@@ -15,8 +15,11 @@ FORCED_PROFILES = {
     "mixed": {0.25: 0.25, 0.5: 0.25, 0.75: 0.25, 1.0: 0.25},
 }
 # the full grid (--forced-grid full): every share at every depth
-FORCED_GRID = {f"{int(share * 100)}% at {label}": {depth: share, 1.0: 1.0 - share}
-               for depth, label in ((0.25, "1/4"), (0.5, "1/2"), (0.75, "3/4")) for share in (0.25, 0.5, 0.75)}
+FORCED_GRID = {
+    f"{int(share * 100)}% at {label}": {depth: share, 1.0: 1.0 - share}
+    for depth, label in ((0.25, "1/4"), (0.5, "1/2"), (0.75, "3/4"))
+    for share in (0.25, 0.5, 0.75)
+}
 FORCED_GRID["mixed"] = FORCED_PROFILES["mixed"]
 # forced modes: (policy, kv). Deferred KV is batch-policy only.
 FORCED_MODES = (("batch", "immediate"), ("batch", "deferred"), ("row", "immediate"))

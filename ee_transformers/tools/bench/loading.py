@@ -19,10 +19,16 @@ HELDOUT_REGIONS = {"austen": (0.5, 1.0), "python": (0.8, 0.88)}
 def plain_twin(ee_model):
     """The family's plain `...ForCausalLM` running on the very same modules (no copy): plain transformers generate
     on the same weights. Exit heads are not part of it."""
-    plain_cls = next(c for c in type(ee_model).__mro__[1:]
-                     if not issubclass(c, EarlyExitMixin) and issubclass(c, transformers.PreTrainedModel))
-    fields = {k: v for k, v in ee_model.config.to_dict().items() if not k.startswith("exit_")
-              and k not in ("model_type", "architectures", "auto_map", "transformers_version")}
+    plain_cls = next(
+        c
+        for c in type(ee_model).__mro__[1:]
+        if not issubclass(c, EarlyExitMixin) and issubclass(c, transformers.PreTrainedModel)
+    )
+    fields = {
+        k: v
+        for k, v in ee_model.config.to_dict().items()
+        if not k.startswith("exit_") and k not in ("model_type", "architectures", "auto_map", "transformers_version")
+    }
     config = plain_cls.config_class(**fields)
     config._attn_implementation = ee_model.config._attn_implementation
     with torch.device("meta"):  # no second copy of the weights: the modules are shared below
@@ -76,9 +82,9 @@ def heldout_prompts(tokenizer, files=None, num_prompts=16, window=64, seed=0):
         windows = []
         for k in range(count):
             at = start + offset + k * span // max(count, 1)
-            piece = text[at: at + chunk]
+            piece = text[at : at + chunk]
             cut = re.search(r"\s\S", piece[:80])  # start at a word
-            piece = piece[cut.start() + 1:] if cut else piece
+            piece = piece[cut.start() + 1 :] if cut else piece
             ids = tokenizer(piece, add_special_tokens=False)["input_ids"][:window]
             if len(ids) == window:
                 windows.append(ids)
@@ -109,8 +115,7 @@ def make_batches(prompts, batch_size, max_batches=2, device="cpu"):
         ids = torch.zeros(batch_size, length, dtype=torch.long)
         mask = torch.zeros(batch_size, length, dtype=torch.long)
         for i, r in enumerate(rows):  # left padding (windows have equal length, so usually none)
-            ids[i, length - len(r["ids"]):] = torch.tensor(r["ids"])
-            mask[i, length - len(r["ids"]):] = 1
+            ids[i, length - len(r["ids"]) :] = torch.tensor(r["ids"])
+            mask[i, length - len(r["ids"]) :] = 1
         batches.append((ids.to(device), mask.to(device), [r["domain"] for r in rows]))
     return batches
-

@@ -9,15 +9,23 @@ import torch
 from ee_transformers.generation_early_exit import ExitCriterion
 from ee_transformers.tools.quality import EXPLAINER
 
-TARGETS = {"calibrated_min_speedup": 0.98, "frontier": ((0.95, 1.0), (0.90, 1.05)), "forced_realised_over_ideal": 0.9,
-           "disabled_max_overhead": 0.02}
+TARGETS = {
+    "calibrated_min_speedup": 0.98,
+    "frontier": ((0.95, 1.0), (0.90, 1.05)),
+    "forced_realised_over_ideal": 0.9,
+    "disabled_max_overhead": 0.02,
+}
 
 
 def frontier_points(results, batch_size):
     """Sweep (and calibrated) results at `batch_size` and the Pareto frontier (agreement up, speed-up up). A
     calibrated run with exits off is full depth, not a point of the early-exit frontier, and is left out."""
-    points = [r for r in results if r["batch_size"] == batch_size and (
-        r["kind"] == "sweep" or (r["kind"] == "calibrated" and r["criterion"] is not None))]
+    points = [
+        r
+        for r in results
+        if r["batch_size"] == batch_size
+        and (r["kind"] == "sweep" or (r["kind"] == "calibrated" and r["criterion"] is not None))
+    ]
     frontier, best = [], -math.inf
     for r in sorted(points, key=lambda r: (-r["agreement"]["share"], -r["speedup"]["median"])):
         if r["speedup"]["median"] > best:
@@ -33,27 +41,47 @@ def evaluate_targets(report):
     for batch_size in report["settings"]["batch_sizes"]:
         at = [r for r in results if r["batch_size"] == batch_size]
         cal = [r for r in at if r["kind"] == "calibrated"]
-        out.append({"target": f"calibrated >= {TARGETS['calibrated_min_speedup']}x", "batch_size": batch_size,
-                    "value": cal[0]["speedup"]["median"] if cal else None,
-                    "met": (cal[0]["speedup"]["median"] >= TARGETS["calibrated_min_speedup"]) if cal else None})
+        out.append(
+            {
+                "target": f"calibrated >= {TARGETS['calibrated_min_speedup']}x",
+                "batch_size": batch_size,
+                "value": cal[0]["speedup"]["median"] if cal else None,
+                "met": (cal[0]["speedup"]["median"] >= TARGETS["calibrated_min_speedup"]) if cal else None,
+            }
+        )
         points, _ = frontier_points(results, batch_size)
         for min_agree, min_speed in TARGETS["frontier"]:
             ok = [r["speedup"]["median"] for r in points if r["agreement"]["share"] >= min_agree]
-            out.append({"target": f"frontier >= {min_speed}x at >= {int(min_agree * 100)}% agreement",
-                        "batch_size": batch_size, "value": max(ok) if ok else None,
-                        "met": (max(ok) >= min_speed) if ok else (False if points else None)})
+            out.append(
+                {
+                    "target": f"frontier >= {min_speed}x at >= {int(min_agree * 100)}% agreement",
+                    "batch_size": batch_size,
+                    "value": max(ok) if ok else None,
+                    "met": (max(ok) >= min_speed) if ok else (False if points else None),
+                }
+            )
         forced = [r for r in at if r["kind"] == "forced"]
         for r in forced:
             value = r["realised_over_ideal"]["median"]
-            out.append({"target": f"{r['name']}: realised/ideal >= {TARGETS['forced_realised_over_ideal']}",
-                        "batch_size": batch_size, "value": value,
-                        "met": None if math.isnan(value) else value >= TARGETS["forced_realised_over_ideal"]})
+            out.append(
+                {
+                    "target": f"{r['name']}: realised/ideal >= {TARGETS['forced_realised_over_ideal']}",
+                    "batch_size": batch_size,
+                    "value": value,
+                    "met": None if math.isnan(value) else value >= TARGETS["forced_realised_over_ideal"],
+                }
+            )
         dis = [r for r in at if r["kind"] == "disabled"]
         if dis:
             overhead = 1.0 / dis[0]["speedup"]["median"] - 1.0
-            out.append({"target": f"exits disabled: overhead <= {int(TARGETS['disabled_max_overhead'] * 100)}%",
-                        "batch_size": batch_size, "value": overhead,
-                        "met": overhead <= TARGETS["disabled_max_overhead"]})
+            out.append(
+                {
+                    "target": f"exits disabled: overhead <= {int(TARGETS['disabled_max_overhead'] * 100)}%",
+                    "batch_size": batch_size,
+                    "value": overhead,
+                    "met": overhead <= TARGETS["disabled_max_overhead"],
+                }
+            )
     return out
 
 
@@ -65,41 +93,57 @@ def format_table(report, include_sweep=True):
     """Markdown: cost model, results, step profiles, targets."""
     lines = []
     lines.append("**Cost model** (direct timed calls at decode shape, median; layer-equivalents in brackets)\n")
-    lines.append("| batch | layer step ms | head check | exit head | final head | backfill / layer | deferred extra "
-                 "/ layer | prefill ms |")
+    lines.append(
+        "| batch | layer step ms | head check | exit head | final head | backfill / layer | deferred extra "
+        "/ layer | prefill ms |"
+    )
     lines.append("|---|---|---|---|---|---|---|---|")
     for b, c in report["costs"].items():
         ms, le = {k: v[b] for k, v in c["ms"].items()}, c["layer_equivalents"]
-        cell = lambda k: f"{ms[k]:.3f} ({le[k]:.2f})"  # noqa: E731
-        lines.append(f"| {b} | {ms['layer']:.3f} | {cell('head_check')} | {cell('head')} | {cell('final_head')} | "
-                     f"{cell('backfill')} | {cell('deferred_extra')} | {ms['prefill']:.1f} |")
+
+        def cell(k, ms=ms, le=le):
+            return f"{ms[k]:.3f} ({le[k]:.2f})"
+
+        lines.append(
+            f"| {b} | {ms['layer']:.3f} | {cell('head_check')} | {cell('head')} | {cell('final_head')} | "
+            f"{cell('backfill')} | {cell('deferred_extra')} | {ms['prefill']:.1f} |"
+        )
     lines.append("")
-    lines.append("**Results** (speed-up = plain ms/step over early-exit ms/step, median [min, max] of the paired "
-                 "ratios; " + EXPLAINER + " Perplexity: the full model's, of the early-exit continuation)\n")
-    lines.append("| configuration | batch | speed-up | per-token agreement | identical-token share | tokens to 1st "
-                 "divergence | perplexity | mean exit layer | ideal | realised / ideal |")
+    lines.append(
+        "**Results** (speed-up = plain ms/step over early-exit ms/step, median [min, max] of the paired "
+        "ratios; " + EXPLAINER + " Perplexity: the full model's, of the early-exit continuation)\n"
+    )
+    lines.append(
+        "| configuration | batch | speed-up | per-token agreement | identical-token share | tokens to 1st "
+        "divergence | perplexity | mean exit layer | ideal | realised / ideal |"
+    )
     lines.append("|---|---|---|---|---|---|---|---|---|---|")
     for r in report["results"]:
         if r["kind"] == "sweep" and not include_sweep:
             continue
         s, a, q = r["speedup"], r["agreement"], r.get("quality") or {}
-        lines.append(f"| {r['name']} | {r['batch_size']} | {_fmt(s['median'])}x [{_fmt(s['min'])}, {_fmt(s['max'])}]"
-                     f" | {_fmt(q.get('per_token_agreement', math.nan), '.3f')} | {_fmt(a['share'], '.3f')} | "
-                     f"{_fmt(a['first_divergence'], '.1f')} | {_fmt(q.get('continuation_ppl', math.nan), '.2f')} "
-                     f"({_fmt(q.get('full_depth_ppl', math.nan), '.2f')} full) | "
-                     f"{_fmt(r['exits']['mean_exit_layer'], '.1f')} | {_fmt(r['ideal_speedup']['median'])}x | "
-                     f"{_fmt(r['realised_over_ideal']['median'])} |")
+        lines.append(
+            f"| {r['name']} | {r['batch_size']} | {_fmt(s['median'])}x [{_fmt(s['min'])}, {_fmt(s['max'])}]"
+            f" | {_fmt(q.get('per_token_agreement', math.nan), '.3f')} | {_fmt(a['share'], '.3f')} | "
+            f"{_fmt(a['first_divergence'], '.1f')} | {_fmt(q.get('continuation_ppl', math.nan), '.2f')} "
+            f"({_fmt(q.get('full_depth_ppl', math.nan), '.2f')} full) | "
+            f"{_fmt(r['exits']['mean_exit_layer'], '.1f')} | {_fmt(r['ideal_speedup']['median'])}x | "
+            f"{_fmt(r['realised_over_ideal']['median'])} |"
+        )
     if report.get("profiles"):
         lines.append("")
         lines.append("**Where one decoding step's time goes** (ms per step, profiler labels; prefill excluded)\n")
-        lines.append("| run | batch | step ms | layers | head checks | exit heads | backfill | final head | "
-                     "other (Python) |")
+        lines.append(
+            "| run | batch | step ms | layers | head checks | exit heads | backfill | final head | other (Python) |"
+        )
         lines.append("|---|---|---|---|---|---|---|---|---|")
         for p in report["profiles"]:
             q = p["parts_ms"]
-            lines.append(f"| {p['name']} | {p['batch_size']} | {p['ms_per_step']:.2f} | {q['layers']:.2f} | "
-                         f"{q['head_checks']:.2f} | {q['exit_heads']:.2f} | {q['backfill']:.2f} | "
-                         f"{q['final_head']:.2f} | {q['other']:.2f} ({100 * p['shares']['other']:.0f}%) |")
+            lines.append(
+                f"| {p['name']} | {p['batch_size']} | {p['ms_per_step']:.2f} | {q['layers']:.2f} | "
+                f"{q['head_checks']:.2f} | {q['exit_heads']:.2f} | {q['backfill']:.2f} | "
+                f"{q['final_head']:.2f} | {q['other']:.2f} ({100 * p['shares']['other']:.0f}%) |"
+            )
     if report.get("targets"):
         lines.append("")
         lines.append("**Targets**\n")
@@ -135,18 +179,37 @@ def plot_frontier(results, path):
             label = "calibrated" if r["kind"] == "calibrated" else f"{crit} ({r['policy']})"
             marker = "*" if r["kind"] == "calibrated" else ("o" if r["policy"] == "batch" else "s")
             s = r["speedup"]
-            ax.errorbar(r["agreement"]["share"], s["median"], yerr=[[s["median"] - s["min"]], [s["max"] - s["median"]]],
-                        fmt=marker, color="k" if r["kind"] == "calibrated" else colors.get(crit, "C7"),
-                        markersize=11 if r["kind"] == "calibrated" else 5, alpha=0.8, capsize=2,
-                        label=None if label in seen else label)
+            ax.errorbar(
+                r["agreement"]["share"],
+                s["median"],
+                yerr=[[s["median"] - s["min"]], [s["max"] - s["median"]]],
+                fmt=marker,
+                color="k" if r["kind"] == "calibrated" else colors.get(crit, "C7"),
+                markersize=11 if r["kind"] == "calibrated" else 5,
+                alpha=0.8,
+                capsize=2,
+                label=None if label in seen else label,
+            )
             seen.add(label)
         if frontier:
-            ax.plot([r["agreement"]["share"] for r in frontier], [r["speedup"]["median"] for r in frontier], "k--",
-                    lw=1, label="frontier")
+            ax.plot(
+                [r["agreement"]["share"] for r in frontier],
+                [r["speedup"]["median"] for r in frontier],
+                "k--",
+                lw=1,
+                label="frontier",
+            )
         ax.axhline(1.0, color="gray", lw=0.8)
         for i, (agree, speed) in enumerate(TARGETS["frontier"]):
-            ax.plot([agree], [speed], marker="x", color="red", markersize=9, linestyle="none",
-                    label="targets" if i == 0 else None)
+            ax.plot(
+                [agree],
+                [speed],
+                marker="x",
+                color="red",
+                markersize=9,
+                linestyle="none",
+                label="targets" if i == 0 else None,
+            )
         ax.set_xlabel("identical-token share with full-depth greedy text")
         ax.set_ylabel("speed-up vs plain generate")
         ax.set_title(f"batch {batch_size}" if batch_size else "no sweep results")
@@ -187,8 +250,12 @@ def plot_histogram(results, path, names=None):
             hist = {int(k): v for k, v in r["exits"]["histogram"].items()}
             total = sum(hist.values())
             xs = sorted(hist)
-            ax.bar([x + (i - (len(picks) - 1) / 2) * width for x in xs], [hist[x] / total for x in xs], width=width,
-                   label=f"{r['name']} (mean {r['exits']['mean_exit_layer']:.1f})")
+            ax.bar(
+                [x + (i - (len(picks) - 1) / 2) * width for x in xs],
+                [hist[x] / total for x in xs],
+                width=width,
+                label=f"{r['name']} (mean {r['exits']['mean_exit_layer']:.1f})",
+            )
         ax.set_xlabel("deciding decoder layer (last = full depth)")
         ax.set_ylabel("share of tokens")
         ax.set_title(f"batch {b}")
@@ -219,8 +286,12 @@ def write_outputs(report, out_dir):
     """report.json, results.md, frontier.png, exit_histogram.png under `out_dir`; returns their paths."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out_dir / "report.json", "table": out_dir / "results.md",
-             "frontier": out_dir / "frontier.png", "histogram": out_dir / "exit_histogram.png"}
+    paths = {
+        "json": out_dir / "report.json",
+        "table": out_dir / "results.md",
+        "frontier": out_dir / "frontier.png",
+        "histogram": out_dir / "exit_histogram.png",
+    }
     paths["json"].write_text(json.dumps(jsonable(report), indent=1) + "\n")
     paths["table"].write_text(format_table(report))
     plot_frontier(report, paths["frontier"])

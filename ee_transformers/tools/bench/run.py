@@ -24,10 +24,22 @@ SWEEP_FULL = {
     "learned": [0.5, 0.7, 0.9],
     "patience": [2, 3],  # stable-token exits: the argmax unchanged over k consecutive checked exits
 }
-SWEEP_MEDIUM = {"max_prob": [0.8, 0.9, 0.97], "margin": [0.8, 0.95], "entropy": [0.9], "cosine": [0.98],
-                "learned": [0.5, 0.8], "patience": [2]}
-SWEEP_SMALL = {"max_prob": [0.9], "margin": [0.8], "entropy": [0.85], "cosine": [0.98], "learned": [0.7],
-               "patience": [2]}
+SWEEP_MEDIUM = {
+    "max_prob": [0.8, 0.9, 0.97],
+    "margin": [0.8, 0.95],
+    "entropy": [0.9],
+    "cosine": [0.98],
+    "learned": [0.5, 0.8],
+    "patience": [2],
+}
+SWEEP_SMALL = {
+    "max_prob": [0.9],
+    "margin": [0.8],
+    "entropy": [0.85],
+    "cosine": [0.98],
+    "learned": [0.7],
+    "patience": [2],
+}
 SWEEP_GRIDS = {"small": SWEEP_SMALL, "medium": SWEEP_MEDIUM, "full": SWEEP_FULL}
 
 
@@ -76,14 +88,25 @@ def forced_variants(profiles=None, modes=FORCED_MODES, batch_size=1):
     """Forced profiles, each under each (policy, kv) mode (row is batch at batch 1, so left out there)."""
     profiles = list(FORCED_PROFILES) if profiles is None else list(profiles)
     modes = [m for m in modes if batch_size > 1 or m[0] != "row"]
-    return [Variant(f"forced {p} {policy}/{kv}", "forced", {"exit_policy": policy, "exit_kv": kv},
-                    {"profile": p, "seed": 0}) for p in profiles for policy, kv in modes]
+    return [
+        Variant(
+            f"forced {p} {policy}/{kv}", "forced", {"exit_policy": policy, "exit_kv": kv}, {"profile": p, "seed": 0}
+        )
+        for p in profiles
+        for policy, kv in modes
+    ]
 
 
 def machine_info():
-    info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version(), "torch_threads": torch.get_num_threads()}
+    info = {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "torch_threads": torch.get_num_threads(),
+    }
     try:
         with open("/proc/cpuinfo") as f:
             names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
@@ -103,31 +126,58 @@ def run_benchmark(ee_model, plain_model, prompts, config=None, log=print):
     device = ee_model.device
     prompt_length = len(prompts[0]["ids"])
     calibrated = _settings(ee_model, {}) is not None
-    report = {"machine": machine_info(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "model": {"class": type(ee_model).__name__, "num_hidden_layers": ee_model.config.num_hidden_layers,
-                        "exit_layers": list(ee_model.config.exit_layers), "exit_head": ee_model.config.exit_head,
-                        "dtype": str(ee_model.dtype).replace("torch.", ""), "calibrated": calibrated},
-              "settings": {"batch_sizes": list(config.batch_sizes), "new_tokens": config.new_tokens,
-                           "repeats": config.repeats, "prompt_length": prompt_length, "prompts": len(prompts),
-                           "max_batches": config.batches_per_size(), "domains": sorted({p["domain"] for p in prompts})},
-              "config": dataclasses.asdict(config), "costs": {}, "results": [], "profiles": [], "notes": []}
+    report = {
+        "machine": machine_info(),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "model": {
+            "class": type(ee_model).__name__,
+            "num_hidden_layers": ee_model.config.num_hidden_layers,
+            "exit_layers": list(ee_model.config.exit_layers),
+            "exit_head": ee_model.config.exit_head,
+            "dtype": str(ee_model.dtype).replace("torch.", ""),
+            "calibrated": calibrated,
+        },
+        "settings": {
+            "batch_sizes": list(config.batch_sizes),
+            "new_tokens": config.new_tokens,
+            "repeats": config.repeats,
+            "prompt_length": prompt_length,
+            "prompts": len(prompts),
+            "max_batches": config.batches_per_size(),
+            "domains": sorted({p["domain"] for p in prompts}),
+        },
+        "config": dataclasses.asdict(config),
+        "costs": {},
+        "results": [],
+        "profiles": [],
+        "notes": [],
+    }
     if not calibrated and config.calibrated != "off":
         report["notes"].append(
             "The model's calibration left exits off (its config holds no exit settings): 'calibrated' decodes at full "
-            "depth." if config.calibrated == "always" else
-            "The model has no calibrated exit settings in its config: the calibrated target is not measured.")
+            "depth."
+            if config.calibrated == "always"
+            else "The model has no calibrated exit settings in its config: the calibrated target is not measured."
+        )
     profiles = list(FORCED_GRID) if config.forced_grid == "full" else list(FORCED_PROFILES)
     modes = config.modes()
     for batch_size, n_batches in zip(config.batch_sizes, config.batches_per_size()):
         batches = make_batches(prompts, batch_size, n_batches, device=device)
         log(f"[bench] batch {batch_size}: measuring the cost model")
-        costs = measure_costs(ee_model, batch_size, prompt_length=prompt_length,
-                              context=prompt_length + config.new_tokens // 2, repeats=config.cost_repeats)
+        costs = measure_costs(
+            ee_model,
+            batch_size,
+            prompt_length=prompt_length,
+            context=prompt_length + config.new_tokens // 2,
+            repeats=config.cost_repeats,
+        )
         report["costs"][str(batch_size)] = costs
         le = costs["layer_equivalents"]
-        log(f"[bench]   layer {costs['ms']['layer'][str(batch_size)]:.3f} ms; in layer steps: head check "
+        log(
+            f"[bench]   layer {costs['ms']['layer'][str(batch_size)]:.3f} ms; in layer steps: head check "
             f"{le['head_check']:.2f}, head {le['head']:.2f}, final head {le['final_head']:.2f}, backfill "
-            f"{le['backfill']:.3f}, deferred extra {le['deferred_extra']:.3f}")
+            f"{le['backfill']:.3f}, deferred extra {le['deferred_extra']:.3f}"
+        )
         main = []
         if config.calibrated != "off":
             main.append(calibrated_variant(ee_model, always=config.calibrated == "always"))
@@ -137,13 +187,16 @@ def run_benchmark(ee_model, plain_model, prompts, config=None, log=print):
         if config.forced:
             groups.append((forced_variants(profiles, modes, batch_size), config.repeats))
         if config.sweep and (config.sweep_batch_sizes is None or batch_size in config.sweep_batch_sizes):
-            groups.append((sweep_variants(ee_model, batch_size, config.sweep_grid),
-                           config.sweep_repeats or config.repeats))
+            groups.append(
+                (sweep_variants(ee_model, batch_size, config.sweep_grid), config.sweep_repeats or config.repeats)
+            )
         for variants, repeats in groups:
             if not variants:
                 continue
-            log(f"[bench] batch {batch_size}: {len(variants)} configurations ({variants[0].kind}...), {repeats} "
-                f"repeats x {len(batches)} batches")
+            log(
+                f"[bench] batch {batch_size}: {len(variants)} configurations ({variants[0].kind}...), {repeats} "
+                f"repeats x {len(batches)} batches"
+            )
             report["results"] += compare_many(ee_model, plain_model, batches, variants, config, repeats, costs, log)
         if config.profile:
             log(f"[bench] batch {batch_size}: step profiles")
@@ -152,7 +205,10 @@ def run_benchmark(ee_model, plain_model, prompts, config=None, log=print):
             if config.forced:
                 to_profile += forced_variants(["mixed"], modes, batch_size)
             for variant in to_profile:
-                report["profiles"].append(profile_step(ee_model, batches[0], config.new_tokens,
-                                                       _generate_kwargs(ee_model, variant), variant.name))
+                report["profiles"].append(
+                    profile_step(
+                        ee_model, batches[0], config.new_tokens, _generate_kwargs(ee_model, variant), variant.name
+                    )
+                )
     report["targets"] = evaluate_targets(report)
     return report

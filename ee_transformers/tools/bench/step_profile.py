@@ -9,8 +9,13 @@ import torch
 from ee_transformers.modeling_early_exit import EarlyExitMixin
 from ee_transformers.tools.bench.timing import _decode_ms, _timed_generate
 
-PROFILE_LABELS = {"ee::layer": "layers", "ee::head_check": "head_checks", "ee::exit_heads": "exit_heads",
-                  "ee::backfill": "backfill", "ee::final_head": "final_head"}
+PROFILE_LABELS = {
+    "ee::layer": "layers",
+    "ee::head_check": "head_checks",
+    "ee::exit_heads": "exit_heads",
+    "ee::backfill": "backfill",
+    "ee::final_head": "final_head",
+}
 
 
 class _PlainLabels:
@@ -25,6 +30,7 @@ class _PlainLabels:
             scope = torch.profiler.record_function(label)
             scope.__enter__()
             self.open.append(scope)
+
         return hook
 
     def _post(self, *args):
@@ -33,9 +39,12 @@ class _PlainLabels:
     def __enter__(self):
         if not isinstance(self.model, EarlyExitMixin):
             for module, label in [(layer, "ee::layer") for layer in self.model.model.layers] + [
-                    (self.model.lm_head, "ee::final_head")]:
-                self.handles += [module.register_forward_pre_hook(self._pre(label)),
-                                 module.register_forward_hook(self._post)]
+                (self.model.lm_head, "ee::final_head")
+            ]:
+                self.handles += [
+                    module.register_forward_pre_hook(self._pre(label)),
+                    module.register_forward_hook(self._post),
+                ]
         return self
 
     def __exit__(self, *exc):
@@ -55,8 +64,10 @@ def profile_step(model, batch, new_tokens, exit_kwargs=None, name=None):
     # the prefill ends where the second forward starts: the second time a step embeds its input
     starts = sorted(e.time_range.start for e in prof.events() if e.name == "aten::embedding")
     decode_from = starts[1] if len(starts) > 1 else math.inf
-    labeled = sorted((e for e in prof.events() if e.name in PROFILE_LABELS and e.time_range.start >= decode_from),
-                     key=lambda e: e.time_range.start)
+    labeled = sorted(
+        (e for e in prof.events() if e.name in PROFILE_LABELS and e.time_range.start >= decode_from),
+        key=lambda e: e.time_range.start,
+    )
     totals, stack = defaultdict(float), []  # exclusive time: a labeled event inside another is the inner one's
     for event in labeled:
         while stack and stack[-1].time_range.end <= event.time_range.start:
@@ -70,8 +81,10 @@ def profile_step(model, batch, new_tokens, exit_kwargs=None, name=None):
     step_ms = _decode_ms(seconds, prefill, steps)
     parts = {k: totals.get(k, 0.0) / decode_steps for k in PROFILE_LABELS.values()}
     parts["other"] = step_ms - sum(parts.values())
-    return {"name": name or ("plain" if not isinstance(model, EarlyExitMixin) else "early exit"),
-            "batch_size": batch[0].shape[0], "ms_per_step": step_ms, "parts_ms": parts,
-            "shares": {k: v / step_ms for k, v in parts.items()}}
-
-
+    return {
+        "name": name or ("plain" if not isinstance(model, EarlyExitMixin) else "early exit"),
+        "batch_size": batch[0].shape[0],
+        "ms_per_step": step_ms,
+        "parts_ms": parts,
+        "shares": {k: v / step_ms for k, v in parts.items()},
+    }

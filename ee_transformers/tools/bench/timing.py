@@ -17,6 +17,7 @@ from ee_transformers.tools.bench.loading import make_batches
 from ee_transformers.tools.costs import ideal_speedup
 from ee_transformers.tools.quality import full_model_view, identical_share, perplexity
 
+
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -27,8 +28,9 @@ def _generate_kwargs(model, variant):
     kwargs = dict(variant.exit_kwargs)
     forced = variant.forced
     if forced is not None:
-        profile = forced_profile(forced["profile"], model, per_row=kwargs.get("exit_policy") == "row",
-                                 seed=forced.get("seed", 0))
+        profile = forced_profile(
+            forced["profile"], model, per_row=kwargs.get("exit_policy") == "row", seed=forced.get("seed", 0)
+        )
         kwargs.update(exit_criterion=ForcedExits(profile), exit_check_layers=profile.check_layers)
     return kwargs
 
@@ -40,8 +42,17 @@ def _generation_config(model, new_tokens):
     eos = _eos_ids(model)
     if config.pad_token_id is None:
         config.pad_token_id = eos[0] if eos else 0
-    config.update(max_new_tokens=new_tokens, min_new_tokens=None, do_sample=False, num_beams=1,
-                  return_dict_in_generate=True, eos_token_id=None, temperature=None, top_p=None, top_k=None)
+    config.update(
+        max_new_tokens=new_tokens,
+        min_new_tokens=None,
+        do_sample=False,
+        num_beams=1,
+        return_dict_in_generate=True,
+        eos_token_id=None,
+        temperature=None,
+        top_p=None,
+        top_k=None,
+    )
     return config
 
 
@@ -104,24 +115,34 @@ def _quality(views, plain_views):
     """Per-token agreement (full model's choice given the early-exit prefix) and the full model's perplexity of the
     early-exit continuation next to that of its own (see `ee_transformers.tools.quality`)."""
     tokens, plain_tokens = sum(v["tokens"] for v in views), sum(v["tokens"] for v in plain_views)
-    return {"per_token_agreement": sum(v["agree"] for v in views) / max(tokens, 1),
-            "continuation_ppl": perplexity(sum(v["nll"] for v in views), tokens),
-            "full_depth_ppl": perplexity(sum(v["nll"] for v in plain_views), plain_tokens)}
+    return {
+        "per_token_agreement": sum(v["agree"] for v in views) / max(tokens, 1),
+        "continuation_ppl": perplexity(sum(v["nll"] for v in views), tokens),
+        "full_depth_ppl": perplexity(sum(v["nll"] for v in plain_views), plain_tokens),
+    }
 
 
 def _summarise(values):
     values = [v for v in values if v is not None and not math.isnan(v)]
     if not values:
         return {"median": math.nan, "min": math.nan, "max": math.nan, "values": []}
-    return {"median": statistics.median(values), "min": min(values), "max": max(values),
-            "values": [round(v, 4) for v in values]}
+    return {
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+        "values": [round(v, 4) for v in values],
+    }
 
 
 def _exit_summary(model, exit_layers):
     """Exit statistics of measured exit layers (a list of `(batch, steps)` tensors, one per run)."""
     stats = ExitStats.from_exit_layers(torch.cat([e.flatten() for e in exit_layers]), model.config.num_hidden_layers)
-    return {"mean_exit_layer": stats.mean_exit_layer, "histogram": {str(k): v for k, v in stats.histogram.items()},
-            "compute_saved": stats.compute_saved, "tokens": stats.num_tokens}
+    return {
+        "mean_exit_layer": stats.mean_exit_layer,
+        "histogram": {str(k): v for k, v in stats.histogram.items()},
+        "compute_saved": stats.compute_saved,
+        "tokens": stats.num_tokens,
+    }
 
 
 def _settings(model, exit_kwargs):
@@ -132,8 +153,15 @@ def _settings(model, exit_kwargs):
 def _ideal(settings, exit_layers, costs):
     if settings is None or costs is None:
         return 1.0 if settings is None else math.nan
-    return ideal_speedup(costs, exit_layers, settings.check_layers, settings.criterion.name, settings.needs_logits,
-                         settings.kv, include_prefill=False)
+    return ideal_speedup(
+        costs,
+        exit_layers,
+        settings.check_layers,
+        settings.criterion.name,
+        settings.needs_logits,
+        settings.kv,
+        include_prefill=False,
+    )
 
 
 def compare_many(ee_model, plain_model, batches, variants, config=None, repeats=None, costs=None, log=None):
@@ -176,8 +204,13 @@ def compare_many(ee_model, plain_model, batches, variants, config=None, repeats=
                 seconds_p, prefill_p, steps_p, _ = _timed_generate(plain_model, batch, new_tokens, {})
                 plain_runs.append((_decode_ms(seconds_p, prefill_p, steps_p), 1e3 * seconds_p))
                 after = plain_runs[-1]
-                timings[k] = (_decode_ms(seconds, prefill, steps), 1e3 * seconds, out,
-                              (before[0] + after[0]) / 2, (before[1] + after[1]) / 2)
+                timings[k] = (
+                    _decode_ms(seconds, prefill, steps),
+                    1e3 * seconds,
+                    out,
+                    (before[0] + after[0]) / 2,
+                    (before[1] + after[1]) / 2,
+                )
             plain_ms += [ms for ms, _ in plain_runs]
             prompt_length = batch[0].shape[1]
             for k in range(len(variants)):
@@ -192,19 +225,24 @@ def compare_many(ee_model, plain_model, batches, variants, config=None, repeats=
                 record["ideal"].append(ideal)
                 record["realised_over_ideal"].append(plain_step_ms / ee_step_ms / ideal if ideal else math.nan)
                 if r == 0:  # greedy decoding is deterministic: one repeat gives the quality figures
-                    rows = agreement(plain_out.sequences[:, prompt_length:].cpu(),
-                                     out.sequences[:, prompt_length:].cpu(), eos)
+                    rows = agreement(
+                        plain_out.sequences[:, prompt_length:].cpu(), out.sequences[:, prompt_length:].cpu(), eos
+                    )
                     for row, domain in zip(rows, batch[2]):
                         record["agreement_rows"].append({**row, "domain": domain})
                     mask = batch[1]
-                    record["views"].append(full_model_view(plain_model, out.sequences.to(mask.device), prompt_length,
-                                                           mask, eos))
-                    record["plain_views"].append(full_model_view(plain_model, plain_out.sequences.to(mask.device),
-                                                                 prompt_length, mask, eos))
+                    record["views"].append(
+                        full_model_view(plain_model, out.sequences.to(mask.device), prompt_length, mask, eos)
+                    )
+                    record["plain_views"].append(
+                        full_model_view(plain_model, plain_out.sequences.to(mask.device), prompt_length, mask, eos)
+                    )
             if log:
-                log(f"  batch {batch_size} repeat {r + 1}/{repeats} batch {b + 1}/{len(batches)}: plain "
-                    f"{statistics.median(ms for ms, _ in plain_runs):.1f} ms/step; " + ", ".join(
-                        f"{variants[k].name} {per[k]['ratio'][-1]:.2f}x" for k in range(len(variants))))
+                log(
+                    f"  batch {batch_size} repeat {r + 1}/{repeats} batch {b + 1}/{len(batches)}: plain "
+                    f"{statistics.median(ms for ms, _ in plain_runs):.1f} ms/step; "
+                    + ", ".join(f"{variants[k].name} {per[k]['ratio'][-1]:.2f}x" for k in range(len(variants)))
+                )
     results = []
     for variant, record in zip(variants, per):
         settings = _settings(ee_model, _generate_kwargs(ee_model, variant))
@@ -243,14 +281,16 @@ def compare_many(ee_model, plain_model, batches, variants, config=None, repeats=
         }
         if variant.forced is not None:
             profile = _generate_kwargs(ee_model, variant)["exit_criterion"].targets
-            result["forced"] = {**variant.forced, "layers": {str(k): v for k, v in profile.layers.items()},
-                                "requested_mean_exit_layer": profile.mean_exit_layer}
+            result["forced"] = {
+                **variant.forced,
+                "layers": {str(k): v for k, v in profile.layers.items()},
+                "requested_mean_exit_layer": profile.mean_exit_layer,
+            }
         results.append(result)
     return results
 
 
-def compare(ee_model, plain_model, prompts, exit_kwargs=None, config=None, batch_size=1, name="early exit",
-            costs=None):
+def compare(ee_model, plain_model, prompts, exit_kwargs=None, config=None, batch_size=1, name="early exit", costs=None):
     """Paired, interleaved comparison of one early-exit way of decoding with plain generate (see `compare_many`).
 
     prompts: from `heldout_prompts` (or `[{"domain", "ids"}]`); exit_kwargs: generate() exit arguments, e.g.
