@@ -17,7 +17,6 @@ the profiled depth ("lean": layers 0..E resident, greedy exits at E). For each, 
 """
 
 import argparse
-import copy
 import json
 import math
 import statistics
@@ -87,22 +86,9 @@ def _sync(device):
 
 def _generation_config(model, new_tokens):
     """Greedy, exactly `new_tokens` tokens (EOS does not stop a row, so every run decodes the same steps)."""
-    config = copy.deepcopy(model.generation_config)
-    eos = config.eos_token_id
-    eos = eos[0] if isinstance(eos, (list, tuple)) else eos
-    config.update(
-        max_new_tokens=new_tokens,
-        min_new_tokens=None,
-        do_sample=False,
-        num_beams=1,
-        eos_token_id=None,
-        return_dict_in_generate=True,
-        temperature=None,
-        top_p=None,
-        top_k=None,
-        pad_token_id=config.pad_token_id if config.pad_token_id is not None else (eos or 0),
-    )
-    return config
+    from ee_transformers.tools.bench.timing import greedy_generation_config
+
+    return greedy_generation_config(model, new_tokens)
 
 
 def _batch(prompts, batch_size, offset=0):

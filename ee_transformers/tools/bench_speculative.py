@@ -39,8 +39,8 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from ee_transformers.generation_early_exit import EXIT_ARGUMENTS
 from ee_transformers.tools.bench import heldout_prompts, load_models, make_batches, plain_twin, random_prompts
+from ee_transformers.tools.bench.timing import greedy_generation_config
 
 __all__ = [
     "ForcedDraftHead",
@@ -222,23 +222,7 @@ def _without_eos(*models):
 def _greedy(model, new_tokens):
     """Greedy, exactly `new_tokens` tokens (with `_without_eos`); without stored confident-exit settings (a
     calibrated folder has them, and they do not combine with `assistant_early_exit`)."""
-    config = copy.deepcopy(model.generation_config)
-    for name in EXIT_ARGUMENTS:
-        if hasattr(config, name):
-            setattr(config, name, None)
-    config.update(
-        max_new_tokens=new_tokens,
-        min_new_tokens=None,
-        do_sample=False,
-        num_beams=1,
-        eos_token_id=None,
-        temperature=None,
-        top_p=None,
-        top_k=None,
-        pad_token_id=config.pad_token_id or 0,
-        return_dict_in_generate=True,
-    )
-    return config
+    return greedy_generation_config(model, new_tokens, clear_exit_settings=True)
 
 
 @torch.no_grad()

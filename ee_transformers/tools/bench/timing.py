@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import torch
 
-from ee_transformers.generation_early_exit import ExitStats, merged_exit_values, resolve_exit_settings
+from ee_transformers.generation_early_exit import EXIT_ARGUMENTS, ExitStats, merged_exit_values, resolve_exit_settings
 from ee_transformers.tools.bench.config import BenchConfig, Variant
 from ee_transformers.tools.bench.forced import ForcedExits, forced_profile
 from ee_transformers.tools.bench.loading import make_batches
@@ -35,13 +35,18 @@ def _generate_kwargs(model, variant):
     return kwargs
 
 
-def _generation_config(model, new_tokens):
+def greedy_generation_config(model, new_tokens, clear_exit_settings=False):
     """Greedy, exactly `new_tokens` tokens: EOS does not stop a row, so plain and early-exit runs decode the same
-    number of steps whatever they generate (agreement is still scored up to the plain row's first EOS)."""
+    number of steps whatever they generate (agreement is still scored up to the plain row's first EOS). With
+    `clear_exit_settings`, without the model's stored exit settings (they do not combine with other modes)."""
     config = copy.deepcopy(model.generation_config)
     eos = _eos_ids(model)
     if config.pad_token_id is None:
         config.pad_token_id = eos[0] if eos else 0
+    if clear_exit_settings:
+        for name in EXIT_ARGUMENTS:
+            if hasattr(config, name):
+                setattr(config, name, None)
     config.update(
         max_new_tokens=new_tokens,
         min_new_tokens=None,
@@ -54,6 +59,9 @@ def _generation_config(model, new_tokens):
         top_k=None,
     )
     return config
+
+
+_generation_config = greedy_generation_config
 
 
 class _PrefillTimer:
