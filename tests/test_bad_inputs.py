@@ -279,6 +279,27 @@ CASES = {
     ),
     "calibrate: a folder without exits": (lambda w: calibrate_argv(w, str(w / "base")), 2, "has no exit heads"),
     # ---- bench
+    # ---- profile and the benchmarks of the other modes
+    "profile: folder does not exist": (
+        lambda w: ["profile", str(w / "nowhere"), "--data", str(w / "nowhere.txt")],
+        2,
+        "`path` '{w}/nowhere' does not exist",
+    ),
+    "bench-lean: --context too short": (
+        lambda w: ["bench-lean", "--model", str(w / "ee"), "--memory-budget", "1G", "--context", "10"],
+        2,
+        "`--context` must exceed `--prompt-tokens` by at least 2",
+    ),
+    "bench-speculative: --model does not exist": (
+        lambda w: ["bench-speculative", "--model", str(w / "nowhere")],
+        2,
+        "`--model` '{w}/nowhere' does not exist",
+    ),
+    "bench-pool: --interval 0": (
+        lambda w: ["bench-pool", "--interval", "0", "--out", str(w / "pool-out")],
+        2,
+        "`--interval` must be an integer >= 1, got 0",
+    ),
     "bench: default prompts offline": (
         lambda w: bench_argv(w, str(w / "base")) + ["--exit-layers", "1,2"],
         2,

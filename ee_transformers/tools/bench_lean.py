@@ -31,6 +31,7 @@ from torch.utils._pytree import tree_flatten
 
 from ee_transformers.generation_early_exit import ExitStats
 from ee_transformers.lean_early_exit import kv_bytes_per_token, resident_parameter_bytes
+from ee_transformers.tools.arguments import InputError, run_command
 
 __all__ = ["PeakMemory", "fit_batch", "format_table", "interleaved_throughput", "main", "measure_memory", "parse_bytes"]
 
@@ -210,7 +211,7 @@ def _float_list(text):
 
 
 def build_parser():
-    p = argparse.ArgumentParser(prog="ee-transformers bench --memory-budget", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="ee-transformers bench-lean", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="early-exit folder, or a plain one with --exit-layers")
     p.add_argument("--exit-layers", default=None, help="comma-separated exits, to convert a plain folder")
     p.add_argument(
@@ -241,12 +242,17 @@ def build_parser():
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    return run_command(build_parser(), lambda args: _run(args, argv), argv)
+
+
+def _run(args, argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     new_tokens = args.context - args.prompt_tokens
     if new_tokens < 2:
-        raise SystemExit("--context must exceed --prompt-tokens by at least 2")
+        raise InputError(
+            f"`--context` must exceed `--prompt-tokens` by at least 2, got {args.context} and {args.prompt_tokens}."
+        )
     log = lambda message: print(message, flush=True)  # noqa: E731
     from ee_transformers.convert import from_base
     from ee_transformers.tools.bench import heldout_prompts, machine_info

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from ee_transformers.tools.arguments import InputError, run_command
+
 HELIOS_CLAIM = (
     "HELIOS (arXiv abstract) reports 1.48x throughput and 15.14x batch size over existing early-exit "
     "frameworks, for model switching and lean loading together; the abstract gives no figure for the pool "
@@ -294,7 +296,13 @@ def format_report(complement, results, args, names, machine):
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    return run_command(build_parser(), _run, argv)
+
+
+def _run(args):
+    for name in ("interval", "profile_every", "new_tokens", "prompts", "repeats", "steps", "block_size", "threads"):
+        if getattr(args, name) < 1:
+            raise InputError(f"`--{name.replace('_', '-')}` must be an integer >= 1, got {getattr(args, name)}.")
     if args.quick:
         args.steps, args.prompts, args.new_tokens, args.repeats, args.max_chars = 4, 2, 8, 1, 40_000
     torch.set_num_threads(args.threads)

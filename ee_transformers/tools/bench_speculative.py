@@ -39,6 +39,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
+from ee_transformers.tools.arguments import run_command
 from ee_transformers.tools.bench import heldout_prompts, load_models, make_batches, plain_twin, random_prompts
 from ee_transformers.tools.bench.timing import greedy_generation_config
 
@@ -612,7 +613,14 @@ def build_parser():
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    return run_command(build_parser(), lambda args: _run(args, argv), argv)
+
+
+def _run(args, argv=None):
+    from ee_transformers.convert import check_weights, read_config
+
+    read_config(args.model, "--model")  # before anything loads: one line naming the flag
+    check_weights(args.model, "--model")
     if args.threads:
         torch.set_num_threads(args.threads)
     ee_model, plain_model = load_models(args.model, exit_layers=args.exit_layers)
