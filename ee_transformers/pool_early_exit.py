@@ -136,8 +136,8 @@ def analytic_costs(model, settings) -> TokenCosts:
     return TokenCosts(full, skipped, checks, final_head, settings.needs_logits)
 
 
-MEASURED_PIECES = ("layer", "final_head", "backfill", "deferred_extra", "head_check", "decision")  # + cosine_check,
-# learned_check when measured
+# the pieces of a `measure_costs` table the pool needs (and `cosine_check` / `learned_check`, read when present)
+MEASURED_PIECES = ("layer", "final_head", "backfill", "deferred_extra", "head_check", "decision")
 
 
 def measured_costs(table: dict, model, settings, rows: int) -> TokenCosts:
@@ -191,10 +191,11 @@ def catch_up(model, input_ids, attention_mask, position_ids, cache, layers) -> d
     return at_exit
 
 
-def profile_exits(model, settings, at_exit, shape) -> torch.LongTensor:
+def profile_exits(model, settings, at_exit, shape, running=None) -> torch.LongTensor:
     """The exit layer `(B, q)` each position's token would take on `model` under `settings`, from the states of
     `catch_up`: the first checked exit whose criterion (the same `check_exit`, patience included) holds, else full
-    depth. Decided per token (row policy); with the batch policy a position takes the deepest exit of its rows."""
+    depth. Decided per token (row policy); with the batch policy a position takes the deepest exit of its `running`
+    rows `(B, q)` (default: all), as a batch step waits for its deepest row but never for one that has ended."""
     batch, q = shape
     n = batch * q
     exits = torch.full((n,), model.config.num_hidden_layers - 1, dtype=torch.long, device=model.device)
@@ -212,7 +213,8 @@ def profile_exits(model, settings, at_exit, shape) -> torch.LongTensor:
             break
     exits = exits.view(batch, q)
     if settings.policy == "batch":
-        exits = exits.max(0, keepdim=True).values.expand(batch, q)
+        counted = exits if running is None else exits.masked_fill(~running, -1)
+        exits = counted.max(0, keepdim=True).values.expand(batch, q)
     return exits
 
 
@@ -447,13 +449,15 @@ class _Request:
         mask = attention_mask[:, :stop]
         position_ids = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)[:, start:stop]
         at_exit = catch_up(model, input_ids[:, start:stop], mask, position_ids, cache, settings.check_layers)
-        exits = profile_exits(model, settings, at_exit, (input_ids.shape[0], stop - start))
         self.caught_up[i] += input_ids.shape[0] * (stop - start)
         # position p decides token p + 1: generated step p + 1 - prompt_length, if its row was still going
         steps = exit_layers[max(start + 1 - self.prompt_length, 0) : stop + 1 - self.prompt_length]
         if steps:
-            decided = torch.stack(steps, dim=1) >= 0  # (B, the last len(steps) positions)
-            self.profiles[i].update(exits[:, -decided.shape[1] :][decided.to(exits.device)].tolist())
+            decided = torch.stack(steps, dim=1).to(input_ids.device) >= 0  # (B, k): what the last k positions decide
+            k = decided.shape[1]  # (the prompt's positions decide no generated token: they are not scored)
+            states = {j: (h_out[:, -k:], h_in[:, -k:]) for j, (h_out, h_in) in at_exit.items()}
+            exits = profile_exits(model, settings, states, decided.shape, running=decided)
+            self.profiles[i].update(exits[decided].tolist())
 
     def summary(self, exit_layers):
         """The pool's fields of the output, once the loop is done (the last step joins the active model's profile)."""

@@ -160,6 +160,36 @@ def test_pool_stays_on_the_cheaper_model_and_profiles_the_other_from_its_catch_u
     assert out.caught_up[1] == 3 * (p + 4)  # every position once: the prompt and the tokens it missed
 
 
+def test_batch_policy_profile_is_the_deepest_exit_of_the_rows_still_going(base_dirs):
+    from transformers import DynamicCache
+
+    from ee_transformers.generation_early_exit import merged_exit_values, resolve_exit_settings
+    from ee_transformers.pool_early_exit import catch_up, profile_exits
+
+    ids, mask = padded_batch()
+    model = model_with(base_dirs, seed=7)
+    threshold = midpoint_threshold(model, ids, mask)
+    settings = {
+        policy: resolve_exit_settings(
+            model.config,
+            merged_exit_values(
+                model, None, dict(exit_criterion="max_prob", exit_threshold=threshold, exit_policy=policy)
+            ),
+        )
+        for policy in ("row", "batch")
+    }
+    with torch.no_grad():
+        states = catch_up(model, ids, mask, positions(mask), DynamicCache(config=model.config), [0, 1, 2])
+        per_row = profile_exits(model, settings["row"], states, ids.shape)
+        running = torch.ones_like(ids, dtype=torch.bool)
+        running[1, 3:] = False  # row 1 has ended from position 3 on: it holds no position back
+        batch = profile_exits(model, settings["batch"], states, ids.shape, running=running)
+    assert len(per_row.unique()) > 1, "expected a mix of exits"
+    expected = per_row.masked_fill(~running, -1).max(0).values
+    assert torch.equal(batch, expected.expand_as(batch))
+    assert not torch.equal(expected, per_row.max(0).values), "row 1's exits must have mattered"
+
+
 class FlipAfter(ExitCriterion):
     """Confident during the first `steps` decoding steps (counted by `begin_step`), never afterwards."""
 
