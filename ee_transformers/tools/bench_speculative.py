@@ -263,7 +263,8 @@ def _compare(plain_run, runs, repeats, log):
             ratios[i].append((before + after) / 2 / seconds)
             log(f"  {name}: {seconds:.2f} s (plain {before:.2f} / {after:.2f} s)")
             before = after
-    return [(statistics.median(times[i]), statistics.median(ratios[i]), outputs[i]) for i in range(len(runs))], plain_out
+    medians = [(statistics.median(times[i]), statistics.median(ratios[i]), outputs[i]) for i in range(len(runs))]
+    return medians, plain_out
 
 
 def run_benchmark(ee_model, plain_model, prompts, batch_sizes=(1, 8), exit_layers=None, ks=(2, 4), new_tokens=16,
@@ -384,7 +385,8 @@ def format_table(report):
     s = report["settings"]
     lines = [f"# Self-speculative decoding: {s['num_layers']} layers, exits {s['exit_layers']}, {s['new_tokens']} new "
              f"tokens after a {s['prompt_tokens']}-token prompt, greedy, {s['threads']} threads", "",
-             "Speed-up: end to end over plain generate on the same weights (median over repeats of the ratio to its two neighbouring plain runs). "
+             "Speed-up: end to end over plain generate on the same weights (median over repeats of the ratio to its "
+             "two neighbouring plain runs). "
              "E: the 0-based exit layer that drafts (assistant_early_exit = E + 1). Ideal: under the cost model "
              "measured in this run, for the rounds the run made.", "",
              "| batch | implementation | drafts from | E | K | acceptance | tokens / round | speed-up | ideal | "
@@ -394,8 +396,8 @@ def format_table(report):
                      f"{_fmt(r.get('acceptance'))} | {_fmt(r.get('tokens_per_round'))} | {r['speedup']:.2f} | "
                      f"{_fmt(r.get('ideal_speedup'))} | {_fmt(r.get('realised_over_ideal'))} | "
                      f"{'yes' if r['identical'] else 'NO'} |")
-    lines += ["", "| cost (ms) at batch | layer, 1 position | layer, K+1 positions | final head, 1 / K+1 | draft head | "
-              "prefill |", "|---|---|---|---|---|---|"]
+    lines += ["", "| cost (ms) at batch | layer, 1 position | layer, K+1 positions | final head, 1 / K+1 | "
+              "draft head | prefill |", "|---|---|---|---|---|---|"]
     for batch, c in report["costs"].items():
         top = max(c["layer"])
         lines.append(f"| {batch} | {c['layer'][1]:.2f} | {c['layer'][top]:.2f} ({top}) | {c['final_head'][1]:.2f} / "
@@ -428,7 +430,8 @@ def build_parser():
                         help="assistant_confidence_threshold for the real heads (transformers' default 0.4)")
     parser.add_argument("--forced", type=_float_list, default=[1.0, 0.6],
                         help="forced acceptance rates (pass-through copies); empty string for none")
-    parser.add_argument("--forced-exits", type=_int_list, default=None, help="exits of the forced profiles (default: all)")
+    parser.add_argument("--forced-exits", type=_int_list, default=None,
+                        help="exits of the forced profiles (default: all)")
     parser.add_argument("--no-transformers", action="store_true", help="skip transformers' own assistant_early_exit")
     parser.add_argument("--random-prompts", action="store_true", help="random token prompts (no text assets)")
     parser.add_argument("--threads", type=int, default=None)
@@ -449,7 +452,8 @@ def main(argv=None):
     report = run_benchmark(ee_model, plain_model, prompts, args.batch_sizes, args.exits, args.ks, args.new_tokens,
                            args.threshold, args.forced, not args.no_transformers, repeats=args.repeats,
                            forced_exits=args.forced_exits, log=lambda m: print(m, flush=True))
-    report["command"] = "ee-transformers bench-speculative " + " ".join(sys.argv[1:] if argv is None else argv)
+    report["command"] = "python -m ee_transformers.tools.bench_speculative " + " ".join(
+        sys.argv[1:] if argv is None else argv)
     report["model"] = str(args.model)
     report["wall_seconds"] = time.perf_counter() - start
     table = format_table(report)
