@@ -1,7 +1,7 @@
 """Lossless self-speculative decoding from an exit head, at any batch size.
 
     out = model.generate(ids, attention_mask=mask, max_new_tokens=128,
-                         assistant_early_exit=16,             # the first 16 decoder layers draft (the exit after layer 15)
+                         assistant_early_exit=16,             # the first 16 decoder layers draft (exit after layer 15)
                          num_assistant_tokens=4,              # at most 4 drafts per round
                          assistant_confidence_threshold=0.4,  # stop drafting once no row's draft head is sure
                          return_dict_in_generate=True)
@@ -84,8 +84,8 @@ def speculation_requested(model, generation_config, kwargs) -> bool:
     for name in EXIT_ARGUMENTS:
         if given(name):
             raise ValueError(
-                f"`assistant_early_exit` cannot be combined with `{name}`: self-speculative decoding always "
-                "decides at full depth, confident exits stop early. Pass one or the other (stored "
+                f"`assistant_early_exit` cannot be combined with `{name}`: self-speculative decoding "
+                "always decides at full depth, confident exits stop early. Pass one or the other (stored "
                 "confident-exit defaults are not used with `assistant_early_exit`)."
             )
     for name in ("assistant_model", "prompt_lookup_num_tokens"):
@@ -118,8 +118,8 @@ def resolve_speculative_settings(model, generation_config) -> SpeculativeSetting
     value = generation_config.assistant_early_exit
     if not _is_int(value) or value - 1 not in exits:
         raise ValueError(
-            f"`assistant_early_exit` is the number of decoder layers that draft and must end at an exit of "
-            f"this model: allowed values are {[e + 1 for e in exits]} (the exits after 0-based layers "
+            f"`assistant_early_exit` is the number of decoder layers that draft and must end at an exit "
+            f"of this model: allowed values are {[e + 1 for e in exits]} (the exits after 0-based layers "
             f"{exits}), got {value!r}."
         )
     num_tokens = generation_config.num_assistant_tokens
@@ -238,8 +238,8 @@ class RaggedBatch:
 
     # committing a round ----------------------------------------------------------------------------------------------
     def commit(self, new, counts, stopping_criteria) -> torch.Tensor:
-        """Appends `new[r, :counts[r]]` to every active row, applies the stopping criteria per row and token, and returns
-        the numbers of tokens appended `(B,)`."""
+        """Appends `new[r, :counts[r]]` to every active row, applies the stopping criteria per row and token, and
+        returns the numbers of tokens appended `(B,)`."""
         counts = torch.minimum(counts, self.max_length - self.length) * self.active
         index = self.length[:, None] + torch.arange(new.shape[1], device=new.device)
         self.tokens.scatter_(1, index, new)
@@ -463,8 +463,8 @@ def speculative_generate(
     settings = resolve_speculative_settings(model, generation_config)
     if synced_gpus:
         raise ValueError(
-            "`assistant_early_exit` does not support `synced_gpus`: rows finish after different numbers of "
-            "rounds, which peers would have to match."
+            "`assistant_early_exit` does not support `synced_gpus`: rows finish after different numbers "
+            "of rounds, which peers would have to match."
         )
     cache = model_kwargs.get("cache")
     if not model_kwargs.get("use_cache", True) or cache is None:
@@ -497,7 +497,7 @@ def speculative_generate(
     return_dict = generation_config.return_dict_in_generate
     steps = max_length - prompt
     buffers = [
-        torch.zeros(size, steps, model.config.vocab_size, device=device)
+        torch.zeros(size, steps, model.config.vocab_size, device=device)  # scores, raw logits: when asked
         if return_dict and getattr(generation_config, name)
         else None
         for name in ("output_scores", "output_logits")
@@ -607,9 +607,9 @@ def speculative_generate(
 
 
 __all__ = [
+    "SCHEDULES",
     "GenerateSpeculativeOutput",
     "RaggedBatch",
-    "SCHEDULES",
     "SpeculativeSettings",
     "accept_greedy",
     "accept_sampled",

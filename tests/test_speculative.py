@@ -1,4 +1,4 @@
-"""Issue 11: lossless self-speculative decoding from the exit heads (`generate(assistant_early_exit=...)`), batch > 1."""
+"""Issue 11: lossless self-speculative decoding from the exit heads (`generate(assistant_early_exit=...)`)."""
 
 import pytest
 import torch
@@ -60,7 +60,7 @@ def test_greedy_equals_full_depth_greedy(base_dirs, family, cache_implementation
     model = ee_model(base_dirs, family)
     ids, mask = padded_batch(batch=3)
     kwargs = dict(max_new_tokens=12, cache_implementation=cache_implementation)
-    if getattr(base.config, "sliding_window", None) and (getattr(base.config, "use_sliding_window", True)):
+    if getattr(base.config, "sliding_window", None) and getattr(base.config, "use_sliding_window", True):
         # the matrix's window (4) is shorter than the generation: refused with a clear error rather than decoded
         # wrongly (generations inside the window are tested on their own)
         with pytest.raises(ValueError, match="sliding-window attention needs the whole generation inside the window"):
@@ -75,8 +75,7 @@ def test_greedy_equals_full_depth_greedy(base_dirs, family, cache_implementation
     ]:
         out = speculative(model, ids, mask, drafters, k, **kwargs, **extra)
         assert torch.equal(out.sequences, expected), (drafters, k, extra)
-        decided = out.exit_layers[out.exit_layers >= 0]  # -1: after the row's EOS (a tiny model may draw it)
-        assert (decided == LAYERS - 1).all()  # every token decided by the final head
+        assert set(out.exit_layers.unique().tolist()) <= {LAYERS - 1, -1}  # the final head decides (-1: ended)
         assert (out.accepted_tokens <= out.draft_tokens).all()
 
 
@@ -282,7 +281,7 @@ def test_heuristic_schedule_grows_with_acceptance_and_shrinks_without(base_dirs)
     assert int(out.accepted_tokens.sum()) == 0
 
 
-# --- outputs and stats -------------------------------------------------------------------------------------------------
+# --- outputs and stats -----------------------------------------------------------------------------------------------
 
 
 def test_scores_logits_streamer_and_stats(base_dirs):
@@ -361,7 +360,7 @@ def test_stored_defaults_and_their_round_trip(base_dirs, tmp_path):
     assert torch.equal(again, expected)
 
 
-# --- bad input ---------------------------------------------------------------------------------------------------------
+# --- bad input -------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(

@@ -294,9 +294,8 @@ def _compare(plain_run, runs, repeats, log):
             ratios[i].append((before + after) / 2 / seconds)
             log(f"  {name}: {seconds:.2f} s (plain {before:.2f} / {after:.2f} s)")
             before = after
-    return [
-        (statistics.median(times[i]), statistics.median(ratios[i]), outputs[i]) for i in range(len(runs))
-    ], plain_out
+    medians = [(statistics.median(times[i]), statistics.median(ratios[i]), outputs[i]) for i in range(len(runs))]
+    return medians, plain_out
 
 
 def run_benchmark(
@@ -534,8 +533,8 @@ def format_table(report):
         f"# Self-speculative decoding: {s['num_layers']} layers, exits {s['exit_layers']}, {s['new_tokens']} new "
         f"tokens after a {s['prompt_tokens']}-token prompt, greedy, {s['threads']} threads",
         "",
-        "Speed-up: end to end over plain generate on the same weights (median over repeats of the ratio to its two "
-        "neighbouring plain runs). "
+        "Speed-up: end to end over plain generate on the same weights (median over repeats of the ratio to its "
+        "two neighbouring plain runs). "
         "E: the 0-based exit layer that drafts (assistant_early_exit = E + 1). Ideal: under the cost model "
         "measured in this run, for the rounds the run made.",
         "",
@@ -552,8 +551,8 @@ def format_table(report):
         )
     lines += [
         "",
-        "| cost (ms) at batch | layer, 1 position | layer, K+1 positions | final head, 1 / K+1 | draft head | "
-        "prefill |",
+        "| cost (ms) at batch | layer, 1 position | layer, K+1 positions | final head, 1 / K+1 | "
+        "draft head | prefill |",
         "|---|---|---|---|---|---|",
     ]
     for batch, c in report["costs"].items():
@@ -613,10 +612,10 @@ def build_parser():
 
 
 def main(argv=None):
-    return run_command(build_parser(), lambda args: _run(args, argv), argv)
+    return run_command(build_parser(), lambda args: _command(args, argv), argv)
 
 
-def _run(args, argv=None):
+def _command(args, argv=None):
     from ee_transformers.convert import check_weights, read_config
 
     read_config(args.model, "--model")  # before anything loads: one line naming the flag
@@ -644,7 +643,9 @@ def _run(args, argv=None):
         forced_exits=args.forced_exits,
         log=lambda m: print(m, flush=True),
     )
-    report["command"] = "ee-transformers bench-speculative " + " ".join(sys.argv[1:] if argv is None else argv)
+    report["command"] = "python -m ee_transformers.tools.bench_speculative " + " ".join(
+        sys.argv[1:] if argv is None else argv
+    )
     report["model"] = str(args.model)
     report["wall_seconds"] = time.perf_counter() - start
     table = format_table(report)

@@ -50,7 +50,7 @@ def _run(args) -> int:
     cache = cache_folder(args.cache_dir)  # a bad --cache-dir: exit code 2, before any download
     try:
         if args.model == "gemma3-270m":
-            print(fetch_gemma3_270m(cache, force=args.force))
+            print(fetch_gemma3_270m(args.cache_dir, force=args.force))
         elif args.model_only or args.model == "smollm2-135m":
             print(fetch_model(cache, force=args.force))
         elif args.text_only:
