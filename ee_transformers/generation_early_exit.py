@@ -507,8 +507,7 @@ def decode_one_token(model, h, attention_mask, mask_2d, position_ids, cache, set
             if deferred:
                 cache.add_pending(j + 1, h, inputs.position_ids)
                 return decided.finish(model)
-            done_rows, done_states = torch.cat(exited_rows + [rows]), torch.cat(exited_states + [h])
-            states = done_states.index_select(0, torch.argsort(done_rows))  # (B, 1, D), back in batch order
+            states = _in_batch_order(exited_rows + [rows], exited_states + [h])  # (B, 1, D)
             for skipped in range(j + 1, depth):
                 cache.update(*backfill_kv(model, skipped, states, step_inputs), skipped)
             keep_exit_states(model, settings, cache, states, step_inputs.position_ids)
@@ -536,11 +535,18 @@ def decode_one_token(model, h, attention_mask, mask_2d, position_ids, cache, set
     )
     if keeps_exit_states(model, settings):  # lean, guard on: the states leaving the deepest layer, in batch order
         if exited_rows:
-            done_rows, done_states = torch.cat(exited_rows + [rows]), torch.cat(exited_states + [h])
-            cache.add_pending(depth, done_states.index_select(0, torch.argsort(done_rows)), step_inputs.position_ids)
+            cache.add_pending(
+                depth, _in_batch_order(exited_rows + [rows], exited_states + [h]), step_inputs.position_ids
+            )
         else:
             cache.add_pending(depth, h, inputs.position_ids)
     return decided.finish(model)
+
+
+def _in_batch_order(row_groups, state_groups):
+    """The states of row groups that left the running batch at different layers, `(n_i, q, D)` each, back in batch
+    order: `(B, q, D)`."""
+    return torch.cat(state_groups).index_select(0, torch.argsort(torch.cat(row_groups)))
 
 
 def _filler(model, batch, done_rows, done_states, done_inputs):

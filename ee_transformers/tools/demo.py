@@ -171,29 +171,31 @@ def _calibration_texts(novels, python_docs, max_chars):
 
 @torch.no_grad()
 def _quality(model, plain, prompts, batch_size, new_tokens, exit_kwargs):
-    """The quality measures of `model.generate(**exit_kwargs)` against `plain` full depth, untimed."""
+    """The quality measures of `model.generate(**exit_kwargs)` against `plain` full depth, untimed: the benchmark's
+    definitions (`bench.timing`, `tools/quality.py`)."""
     from ee_transformers.tools import bench
-    from ee_transformers.tools.quality import full_model_view, identical_share, perplexity
+    from ee_transformers.tools.bench.timing import _eos_ids, _quality, greedy_generation_config
+    from ee_transformers.tools.quality import full_model_view
 
     views, plain_views, rows = [], [], []
-    eos = bench.timing._eos_ids(plain)
+    eos = _eos_ids(plain)
     for ids, mask, _ in bench.make_batches(
         prompts, batch_size, max(1, len(prompts) // batch_size), device=model.device
     ):
-        config = bench.timing._generation_config(plain, new_tokens)
+        config = greedy_generation_config(plain, new_tokens)
         full = plain.generate(ids, attention_mask=mask, generation_config=config).sequences
         config.update(**exit_kwargs, allow_custom_entries=True)  # the mode's settings are generation settings
         ee = model.generate(ids, attention_mask=mask, generation_config=config).sequences
         views.append(full_model_view(plain, ee, ids.shape[1], mask, eos))
         plain_views.append(full_model_view(plain, full, ids.shape[1], mask, eos))
-        rows += identical_share(full[:, ids.shape[1] :].cpu(), ee[:, ids.shape[1] :].cpu(), eos)
-    tokens = sum(v["tokens"] for v in views)
+        rows += bench.agreement(full[:, ids.shape[1] :].cpu(), ee[:, ids.shape[1] :].cpu(), eos)
+    q = _quality(views, plain_views)
     return {
-        "per_token_agreement": sum(v["agree"] for v in views) / max(tokens, 1),
+        "per_token_agreement": q["per_token_agreement"],
         "identical_share": sum(r["matches"] for r in rows) / max(sum(r["compared"] for r in rows), 1),
         "first_divergence": sum(r["first_divergence"] for r in rows) / max(len(rows), 1),
-        "ppl": perplexity(sum(v["nll"] for v in views), tokens),
-        "full_ppl": perplexity(sum(v["nll"] for v in plain_views), sum(v["tokens"] for v in plain_views)),
+        "ppl": q["continuation_ppl"],
+        "full_ppl": q["full_depth_ppl"],
     }
 
 
