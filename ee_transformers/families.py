@@ -180,6 +180,12 @@ class FamilyAdapter:
         """What the layer's attention sees of the residual stream."""
         return layer.input_layernorm(states)
 
+    def kv_modules(self, layer) -> list:
+        """The modules `key_value` calls in `layer`: what backfilling one skipped layer reads (the pool's cost model
+        counts their parameters)."""
+        attn = layer.self_attn
+        return [layer.input_layernorm, attn.k_proj, attn.v_proj, *filter(None, [getattr(attn, "k_norm", None)])]
+
     def project_key_value(self, layer, x):
         attn = layer.self_attn
         hidden_shape = (*x.shape[:-1], -1, attn.head_dim)
@@ -263,6 +269,9 @@ class Phi3Adapter(MistralAdapter):
         key, value = qkv[..., q_size : q_size + kv_size], qkv[..., q_size + kv_size :]
         return key.view(hidden_shape), value.view(hidden_shape)
 
+    def kv_modules(self, layer) -> list:
+        return [layer.input_layernorm, layer.self_attn.qkv_proj]  # the fused projection is read whole
+
     def rotate_key(self, key, cos, sin):
         rotary_dim = cos.shape[-1]
         rotated, kept = key[..., :rotary_dim], key[..., rotary_dim:]
@@ -277,6 +286,9 @@ class Olmo2Adapter(FamilyAdapter):
 
     def attention_input(self, layer, states):
         return states
+
+    def kv_modules(self, layer) -> list:
+        return [layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.k_norm]
 
     def project_key(self, attn, x, hidden_shape):
         return attn.k_norm(attn.k_proj(x)).view(hidden_shape)
@@ -323,6 +335,9 @@ class GPT2Adapter(FamilyAdapter):
         hidden_shape = (*x.shape[:-1], -1, attn.head_dim)
         _, key, value = attn.c_attn(x).split(attn.split_size, dim=2)
         return key.view(hidden_shape), value.view(hidden_shape)
+
+    def kv_modules(self, layer) -> list:
+        return [layer.ln_1, layer.attn.c_attn]  # the fused projection is read whole
 
 
 __all__ = [

@@ -287,9 +287,10 @@ def deepen(model, cache, attention_mask) -> int:
 # ---------------------------------------------------------------------------------------------------------------------
 # memory, measured
 # ---------------------------------------------------------------------------------------------------------------------
-def resident_parameter_bytes(model) -> int:
-    """Bytes of the parameters and buffers that hold memory (not on the meta device); tied tensors count once."""
-    tensors = {id(t): t for t in (*model.parameters(), *model.buffers()) if t.device.type != "meta"}
+def resident_parameter_bytes(*models) -> int:
+    """Bytes of the parameters and buffers of `models` that hold memory (not on the meta device); tied tensors and
+    modules the models share count once."""
+    tensors = {id(t): t for m in models for t in (*m.parameters(), *m.buffers()) if t.device.type != "meta"}
     return sum(t.nelement() * t.element_size() for t in tensors.values())
 
 

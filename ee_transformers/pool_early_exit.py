@@ -108,8 +108,9 @@ def _numel(module) -> int:
 def analytic_costs(model, settings) -> TokenCosts:
     """Costs in parameters read per token (decoding at small batch is bound by reading weights): a decoder layer's
     parameters; a check: its exit head (+ the LM head's `vocab x hidden` when the criterion needs logits, + the
-    confidence head for `learned`); a skipped layer: its K/V backfill (input norm, K/V projections); a token decided
-    without logits: the LM head (+ the final norm; an exit head in its place differs by a rounding error)."""
+    confidence head for `learned`); a skipped layer: its K/V backfill (the modules `family.kv_modules` names: input
+    norm, K/V projections); a token decided without logits: the LM head (+ the final norm; an exit head in its place
+    differs by a rounding error)."""
     layers = list(model.family.layers(model))
     num_layers = len(layers)
     lm_head = model.get_output_embeddings().weight.numel()
@@ -129,10 +130,7 @@ def analytic_costs(model, settings) -> TokenCosts:
     if settings.kv == "deferred":
         skipped = [0] * num_layers  # the token rides along with the next deep one: no weight is read for it alone
     else:
-        skipped = [
-            _numel(layer.input_layernorm) + _numel(layer.self_attn.k_proj) + _numel(layer.self_attn.v_proj)
-            for layer in layers
-        ]
+        skipped = [sum(_numel(m) for m in model.family.kv_modules(layer)) for layer in layers]
     return TokenCosts(full, skipped, checks, final_head, settings.needs_logits)
 
 

@@ -204,6 +204,26 @@ def test_backfilled_kv_equals_skipped_layers_own_projections(base_dirs, family):
         assert out.cache.layers[j].get_seq_length() == length
 
 
+def test_kv_modules_are_the_modules_a_backfill_calls(base_dirs, family):
+    """The pool's cost model counts `family.kv_modules(layer)` as what a backfill reads: exactly the parametrised
+    modules `key_value` calls."""
+    model = ee_model(base_dirs, family)
+    layer = model.family.layers(model)[2]
+    called = []
+    hooks = [
+        m.register_forward_hook(lambda m, *_: called.append(m))
+        for m in layer.modules()
+        if any(True for _ in m.parameters(recurse=False))
+    ]
+    states = torch.randn(2, 3, model.config.hidden_size)
+    positions = torch.arange(3).expand(2, 3)
+    inputs = model.family.layer_inputs(model, states, torch.ones(2, 3, dtype=torch.long), None, positions)
+    model.family.key_value(model, 2, states, inputs)
+    for hook in hooks:
+        hook.remove()
+    assert {id(m) for m in called} == {id(m) for m in model.family.kv_modules(layer)}
+
+
 @pytest.mark.parametrize("cache_implementation", [None, "static"])
 def test_deferred_kv_equals_full_depth_kv_after_a_deep_token(base_dirs, family, cache_implementation):
     folder, base = base_dirs[family]

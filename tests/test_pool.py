@@ -88,7 +88,9 @@ def test_pool_of_one_equals_the_model(base_dirs, family_name, mode):
 # --- switching ------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("families", [("llama", "llama"), ("llama", "qwen3")])
+@pytest.mark.parametrize(
+    "families", [("llama", "llama"), ("llama", "qwen3"), ("gpt2", "olmo2"), ("gemma3", "phi3"), ("gemma2", "mistral")]
+)
 @pytest.mark.parametrize("second", ["always exits", "sometimes exits"])
 def test_pool_moves_to_the_model_that_exits_and_continues_it_exactly(base_dirs, families, second):
     ids, mask = padded_batch()

@@ -9,7 +9,8 @@ with full depth, in one process.
 3. A workload mixing both domains (the benchmark's held-out prompts, alternating novels / Python): greedy, batch 1,
    `--new-tokens` tokens each (EOS does not stop a row), every configuration on every prompt, interleaved, in
    `--repeats` rounds: full depth (the plain twin), `novels` alone, `python` alone, the pool of both.
-4. Report: tokens/s (total new tokens over total seconds, and per domain), greedy agreement with full depth (scored
+4. Report: tokens/s (total new tokens over total seconds, and per domain), the quality measures of
+   `tools/quality.py` against full depth (identical-token share scored
    up to full depth's first EOS), mean exit layer, and where the pool switched.
 
     ee-transformers bench-pool --out runs/pool-bench --steps 300
@@ -85,33 +86,43 @@ def _domain_texts(assets, max_chars):
     return train, heldout
 
 
-def fit_model(name, texts, model_dir, folder, args):
-    """Fits exit heads on `texts` (frozen backbone) and saves the folder."""
+def fit_domain_model(texts, model_dir, exit_layers, steps, adapter_rank=64, block_size=128, lr=2e-3, positions=32):
+    """An early-exit model with exit heads (norm + low-rank adapter) fitted on `texts` for `steps` steps, frozen
+    backbone. Returns (model, fit result)."""
     from ee_transformers.convert import from_base
     from ee_transformers.training.data import tokenize_blocks
-    from ee_transformers.training.fit_exit_heads import FitConfig, fit_exit_heads, save_model_folder
+    from ee_transformers.training.fit_exit_heads import FitConfig, fit_exit_heads
 
-    exit_layers = [int(x) for x in args.exit_layers.split(",")]
     model = from_base(
         model_dir,
-        exit_layers=exit_layers,
+        exit_layers=list(exit_layers),
         exit_head="adapter",
-        exit_adapter_rank=args.adapter_rank,
+        exit_adapter_rank=adapter_rank,
         dtype=torch.float32,
     )
-    blocks = tokenize_blocks(texts, model.tokenizer, args.block_size)
+    blocks = tokenize_blocks(texts, model.tokenizer, block_size)
     order = torch.randperm(blocks.shape[0], generator=torch.Generator().manual_seed(0))
     heldout, train = blocks[order[:8]], blocks[order[8:]]
     config = FitConfig(
-        steps=args.steps,
+        steps=steps,
         batch_size=2,
-        lr=args.lr,
-        warmup_steps=min(20, args.steps // 5),
-        positions_per_block=args.positions,
+        lr=lr,
+        warmup_steps=min(20, steps // 5),
+        positions_per_block=positions,
         eval_blocks=8,
     )
+    return model, fit_exit_heads(model, train, heldout, config)
+
+
+def fit_model(name, texts, model_dir, folder, args):
+    """Fits exit heads on `texts` (frozen backbone) and saves the folder."""
+    from ee_transformers.training.fit_exit_heads import save_model_folder
+
     started = time.perf_counter()
-    result = fit_exit_heads(model, train, heldout, config)
+    exit_layers = [int(x) for x in args.exit_layers.split(",")]
+    model, result = fit_domain_model(
+        texts, model_dir, exit_layers, args.steps, args.adapter_rank, args.block_size, args.lr, args.positions
+    )
     print(
         f"   {name}: {args.steps} steps in {(time.perf_counter() - started) / 60:.1f} min; held-out agreement with "
         f"the final layer per exit {[round(a, 3) for a in result.agreement_before]} -> "
@@ -119,6 +130,16 @@ def fit_model(name, texts, model_dir, folder, args):
     )
     save_model_folder(model, folder, tokenizer=model.tokenizer, reports={"fit_report.json": result.summary()})
     return folder
+
+
+def share_backbone(models) -> None:
+    """Points every model of `models` at the first one's backbone and LM head (the same frozen weights): the pool
+    then holds them once."""
+    first, *others = models
+    prefix = first.base_model_prefix
+    for model in others:
+        setattr(model, prefix, getattr(first, prefix))
+        model.set_output_embeddings(first.get_output_embeddings())
 
 
 @torch.no_grad()
@@ -191,7 +212,7 @@ class CatchUpTimer:
         self.module.catch_up, self.module.profile_exits = self.saved
 
 
-def _configurations(models, plain, pool, exit_kwargs, pool_kwargs):
+def configurations(models, plain, pool, exit_kwargs, pool_kwargs):
     """name -> generate(ids) returning (new tokens (1, T), exit layers (1, T) or None, pool output or None, seconds
     spent in catch-up)."""
 
@@ -220,10 +241,13 @@ def _configurations(models, plain, pool, exit_kwargs, pool_kwargs):
     }
 
 
-def run_workload(configs, prompts, config, repeats, eos_ids, num_layers):
+def run_workload(configs, prompts, config, repeats, eos_ids, num_layers, plain=None):
     """Every configuration on every prompt, interleaved (the order rotates per prompt and repeat). Returns per
-    configuration: seconds and tokens per domain, agreement with full depth, exit layers, pool switches."""
+    configuration: seconds and tokens per domain, identical-token share with full depth and tokens to the first
+    divergence, exit layers, pool switches; with `plain` (the full-depth model) also per-token agreement and the full
+    model's perplexity of the continuation (`ee_transformers.tools.quality`)."""
     from ee_transformers.tools.bench import agreement
+    from ee_transformers.tools.quality import full_model_view, summarise_views
 
     names = list(configs)
     results = {
@@ -257,18 +281,25 @@ def run_workload(configs, prompts, config, repeats, eos_ids, num_layers):
                             }
                         )
                     r.setdefault("new", {})[k] = new
+                    if plain is not None:
+                        sequences = torch.cat([ids, new], dim=1)
+                        r.setdefault("views", []).append(full_model_view(plain, sequences, ids.shape[1], None, eos_ids))
         print(f"   round {repeat + 1}/{repeats} done")
     for name in names:
         r = results[name]
         rows = [agreement(reference[k], r["new"][k], eos_ids)[0] for k in range(len(prompts))]
-        r["agreement"] = sum(x["matches"] for x in rows) / max(sum(x["compared"] for x in rows), 1)
+        r["identical_share"] = sum(x["matches"] for x in rows) / max(sum(x["compared"] for x in rows), 1)
         r["first_divergence"] = statistics.mean(x["first_divergence"] for x in rows)
         exits = torch.cat([e.flatten() for e in r["exits"]])
         r["mean_exit_layer"] = float(exits[exits >= 0].float().mean())
         r["tok_s"] = sum(r["tokens"].values()) / sum(r["seconds"].values())
         r["catch_up_share"] = r["catch_up_seconds"] / sum(r["seconds"].values())
         r["tok_s_by_domain"] = {d: r["tokens"][d] / r["seconds"][d] for d in r["tokens"]}
-        del r["new"], r["exits"]
+        if plain is not None:
+            r["quality"] = summarise_views(r["views"], results["full depth"]["views"])
+    for name in names:
+        results[name].pop("views", None)
+        del results[name]["new"], results[name]["exits"]
     return results
 
 
@@ -280,7 +311,7 @@ def format_report(complement, results, args, names, machine):
         "",
         f"Teacher-forced on held-out text (8 blocks of {args.block_size} tokens per domain):",
         "",
-        "| model | domain | exit rate | agreement with full depth | mean exit layer | predicted cost / token "
+        "| model | domain | exit rate | per-token agreement (teacher-forced) | mean exit layer | predicted cost / token "
         "(M params read) |",
         "|---|---|---|---|---|---|",
     ]
@@ -298,14 +329,16 @@ def format_report(complement, results, args, names, machine):
         "",
         "| configuration | tok/s | vs full depth | "
         + " | ".join(f"tok/s {d}" for d in domains)
-        + " | greedy agreement | tokens to 1st divergence | mean exit layer |",
-        "|---|---|---|" + "---|" * len(domains) + "---|---|---|",
+        + " | per-token agreement | identical-token share | tokens to 1st divergence | perplexity (full model's) "
+        "| mean exit layer |",
+        "|---|---|---|" + "---|" * len(domains) + "---|---|---|---|---|",
     ]
     for name, r in results.items():
         by_domain = " | ".join(f"{r['tok_s_by_domain'][d]:.2f}" for d in domains)
         lines.append(
-            f"| {name} | {r['tok_s']:.2f} | {r['tok_s'] / full:.3f}x | {by_domain} | {r['agreement']:.3f} | "
-            f"{r['first_divergence']:.1f} | {r['mean_exit_layer']:.1f} |"
+            f"| {name} | {r['tok_s']:.2f} | {r['tok_s'] / full:.3f}x | {by_domain} | "
+            f"{r['quality']['per_token_agreement']:.3f} | {r['identical_share']:.3f} | {r['first_divergence']:.1f} | "
+            f"{r['quality']['continuation_ppl']:.2f} | {r['mean_exit_layer']:.1f} |"
         )
     pool_name = next(n for n in results if n.startswith("pool"))
     records = results[pool_name]["switches"]
@@ -329,8 +362,9 @@ def format_report(complement, results, args, names, machine):
         f"({pooled['catch_up_seconds']:.1f} s); without it the pool would run at {free:.2f} tok/s "
         f"({free / results[best]['tok_s']:.3f}x the best single model).",
         "",
-        f"Pool vs the best single model ({best}): {ratio:.3f}x tokens/s, agreement "
-        f"{pooled['agreement']:.3f} vs {results[best]['agreement']:.3f}. {HELIOS_CLAIM}",
+        f"Pool vs the best single model ({best}): {ratio:.3f}x tokens/s, per-token agreement "
+        f"{pooled['quality']['per_token_agreement']:.3f} vs {results[best]['quality']['per_token_agreement']:.3f}. "
+        f"{HELIOS_CLAIM}",
     ]
     return "\n".join(lines)
 
@@ -349,6 +383,7 @@ def _run(args):
     from ee_transformers.convert import from_base
     from ee_transformers.pool_early_exit import EarlyExitPool
     from ee_transformers.tools import assets, bench
+    from ee_transformers.tools.bench.timing import greedy_generation_config
 
     started = time.perf_counter()
     out = Path(args.out).resolve()
@@ -362,8 +397,8 @@ def _run(args):
         if not (args.reuse and (folder / "config.json").exists()):
             fit_model(name, texts, model_dir, folder, args)
         models[name] = from_base(folder, dtype=torch.float32).eval()
-    first, second = models.values()
-    second.model, second.lm_head = first.model, first.lm_head  # one frozen backbone: share it, do not hold it twice
+    share_backbone(list(models.values()))  # one frozen backbone: share it, do not hold it twice
+    first = next(iter(models.values()))
     tokenizer = first.tokenizer
 
     exit_kwargs = {"exit_criterion": args.criterion, "exit_threshold": args.threshold, "exit_policy": args.policy}
@@ -381,16 +416,16 @@ def _run(args):
     plain = bench.plain_twin(first)
     pool = EarlyExitPool(list(models.values()))
     prompts = bench.heldout_prompts(tokenizer, num_prompts=args.prompts)
-    config = _greedy_config(first, args.new_tokens)
-    configs = _configurations(
+    config = greedy_generation_config(first, args.new_tokens, clear_exit_settings=True)
+    configs = configurations(
         models, plain, pool, exit_kwargs, {"pool_interval": args.interval, "pool_profile_every": args.profile_every}
     )
     warm = torch.tensor([prompts[0]["ids"]])
     for run in configs.values():  # warm-up: first calls pay allocations and lazy inits
-        run(warm, _greedy_config(first, 4))
+        run(warm, greedy_generation_config(first, 4, clear_exit_settings=True))
     eos = first.generation_config.eos_token_id
     eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-    results = run_workload(configs, prompts, config, args.repeats, eos_ids, first.config.num_hidden_layers)
+    results = run_workload(configs, prompts, config, args.repeats, eos_ids, first.config.num_hidden_layers, plain)
 
     machine = f"torch {torch.__version__}, {torch.get_num_threads()} threads, {torch.device('cpu')}"
     report = format_report(complement, results, args, list(models), machine)
@@ -405,39 +440,6 @@ def _run(args):
     (out / "bench_pool.md").write_text(report + "\n")
     print(f"== done in {summary['minutes']} min; {out / 'bench_pool.md'}")
     return 0
-
-
-def _greedy_config(model, new_tokens):
-    """Greedy, exactly `new_tokens` tokens: EOS does not stop a row, so every configuration decodes as many steps."""
-    import copy
-
-    config = copy.deepcopy(model.generation_config)
-    eos = config.eos_token_id
-    pad = config.pad_token_id if config.pad_token_id is not None else (eos if isinstance(eos, int) else 0)
-    config.update(
-        max_new_tokens=new_tokens,
-        min_new_tokens=None,
-        do_sample=False,
-        num_beams=1,
-        eos_token_id=None,
-        pad_token_id=pad,
-        return_dict_in_generate=True,
-        temperature=None,
-        top_p=None,
-        top_k=None,
-    )
-    for name in (
-        "exit_criterion",
-        "exit_threshold",
-        "exit_policy",
-        "exit_patience",
-        "exit_kv",
-        "exit_check_layers",
-        "early_exit",
-    ):
-        if hasattr(config, name):
-            setattr(config, name, None)
-    return config
 
 
 if __name__ == "__main__":

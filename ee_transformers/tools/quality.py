@@ -68,4 +68,29 @@ def perplexity(nll: float, tokens: int) -> float:
     return math.exp(nll / tokens) if tokens else math.nan
 
 
-__all__ = ["EXPLAINER", "QUALITY_MEASURES", "full_model_view", "identical_share", "perplexity"]
+def summarise_views(views: list[dict], full_views: list[dict]) -> dict:
+    """Per-token agreement and continuation perplexity from `full_model_view` results of the early-exit texts
+    (`views`), next to the full model's perplexity of its own texts (`full_views`)."""
+    tokens, full_tokens = sum(v["tokens"] for v in views), sum(v["tokens"] for v in full_views)
+    return {
+        "per_token_agreement": sum(v["agree"] for v in views) / max(tokens, 1),
+        "continuation_ppl": perplexity(sum(v["nll"] for v in views), tokens),
+        "full_depth_ppl": perplexity(sum(v["nll"] for v in full_views), full_tokens),
+    }
+
+
+def eos_token_ids(model) -> list[int]:
+    """The EOS ids of `model.generation_config` as a list (empty when it has none)."""
+    eos = model.generation_config.eos_token_id
+    return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+
+
+__all__ = [
+    "EXPLAINER",
+    "QUALITY_MEASURES",
+    "eos_token_ids",
+    "full_model_view",
+    "identical_share",
+    "perplexity",
+    "summarise_views",
+]

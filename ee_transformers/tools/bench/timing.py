@@ -15,7 +15,7 @@ from ee_transformers.tools.bench.config import BenchConfig, Variant
 from ee_transformers.tools.bench.forced import ForcedExits, forced_profile
 from ee_transformers.tools.bench.loading import make_batches
 from ee_transformers.tools.costs import ideal_speedup
-from ee_transformers.tools.quality import full_model_view, identical_share, perplexity
+from ee_transformers.tools.quality import eos_token_ids, full_model_view, identical_share, summarise_views
 
 
 def _sync(device):
@@ -40,7 +40,7 @@ def greedy_generation_config(model, new_tokens, clear_exit_settings=False):
     number of steps whatever they generate (agreement is still scored up to the plain row's first EOS). With
     `clear_exit_settings`, without the model's stored exit settings (they do not combine with other modes)."""
     config = copy.deepcopy(model.generation_config)
-    eos = _eos_ids(model)
+    eos = eos_token_ids(model)
     if config.pad_token_id is None:
         config.pad_token_id = eos[0] if eos else 0
     if clear_exit_settings:
@@ -108,26 +108,10 @@ def _decode_ms(seconds, prefill_seconds, steps):
     return 1e3 * (seconds - prefill_seconds) / max(steps - 1, 1)
 
 
-def _eos_ids(model):
-    eos = model.generation_config.eos_token_id
-    return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-
-
 def agreement(plain_new, ee_new, eos_ids=()):
     """Identical-token share with full depth, per row (`ee_transformers.tools.quality.identical_share`): matches,
     compared positions (up to the plain row's first EOS) and tokens until the first divergence."""
     return identical_share(plain_new, ee_new, eos_ids)
-
-
-def _quality(views, plain_views):
-    """Per-token agreement (full model's choice given the early-exit prefix) and the full model's perplexity of the
-    early-exit continuation next to that of its own (see `ee_transformers.tools.quality`)."""
-    tokens, plain_tokens = sum(v["tokens"] for v in views), sum(v["tokens"] for v in plain_views)
-    return {
-        "per_token_agreement": sum(v["agree"] for v in views) / max(tokens, 1),
-        "continuation_ppl": perplexity(sum(v["nll"] for v in views), tokens),
-        "full_depth_ppl": perplexity(sum(v["nll"] for v in plain_views), plain_tokens),
-    }
 
 
 def _summarise(values):
@@ -183,7 +167,7 @@ def compare_many(ee_model, plain_model, batches, variants, config=None, repeats=
     config = config or BenchConfig()
     new_tokens, repeats = config.new_tokens, repeats or config.repeats
     batch_size = batches[0][0].shape[0]
-    eos = _eos_ids(plain_model)
+    eos = eos_token_ids(plain_model)
     if config.warmup:  # first calls pay one-off allocation and dispatch costs
         for batch in batches[:1]:
             _timed_generate(plain_model, batch, min(new_tokens, 3), {})
@@ -282,7 +266,7 @@ def compare_many(ee_model, plain_model, batches, variants, config=None, repeats=
                 "compared_tokens": compared,
                 "by_domain": by_domain,
             },
-            "quality": _quality(record["views"], record["plain_views"]),
+            "quality": summarise_views(record["views"], record["plain_views"]),
             "exits": _exit_summary(ee_model, record["exit_layers"]),
             "ideal_speedup": _summarise(record["ideal"]),
             "realised_over_ideal": _summarise(record["realised_over_ideal"]),
