@@ -16,11 +16,13 @@ Each output folder is assembled in a temporary folder inside the cache and renam
 marker (``ASSET.json``) written before the rename, so an interrupted fetch never leaves a half-built asset behind.
 
 Modules: `cache` (the cache folder, markers, atomic installs), `model` (the wheel and its GGUF), `rds` (the R
-serialization reader), `text` (the Debian packages and their text), `cli` (`ee-transformers fetch-assets`).
+serialization reader), `text` (the Debian packages and their text), `gemma` (Gemma-3-270M, the second real model),
+`cli` (`ee-transformers fetch-assets`).
 """
 
 from ee_transformers.tools.assets.cache import MARKER, default_cache_dir
 from ee_transformers.tools.assets.cli import fetch_assets, main
+from ee_transformers.tools.assets.gemma import GEMMA_DIRNAME, GEMMA_HUB_NAME, GEMMA_LICENSE, fetch_gemma3_270m
 from ee_transformers.tools.assets.model import (
     MODEL_DIRNAME,
     MODEL_HUB_NAME,
@@ -60,6 +62,9 @@ __all__ = [
     "AUSTEN_RDB",
     "AUSTEN_TITLES",
     "AUSTEN_TRAIN",
+    "GEMMA_DIRNAME",
+    "GEMMA_HUB_NAME",
+    "GEMMA_LICENSE",
     "MARKER",
     "MODEL_DIRNAME",
     "MODEL_HUB_NAME",
@@ -75,6 +80,7 @@ __all__ = [
     "decompress_block",
     "default_cache_dir",
     "fetch_assets",
+    "fetch_gemma3_270m",
     "fetch_model",
     "fetch_text",
     "iter_rdb_blocks",
