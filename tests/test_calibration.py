@@ -269,6 +269,7 @@ def _calibrate_with_measured(fitted, monkeypatch, measured_quartiles, **config):
             "pairs": 2,
             "batch_size": 1,
             "new_tokens": 8,
+            "per_token_agreement": 0.8,
             "identical_token_share": 0.5,
         }
 
@@ -286,7 +287,12 @@ def test_a_setting_slower_than_full_depth_by_measurement_is_not_kept(fitted, mon
     assert "lower quartile" in report["message"] and "0.97x lower quartile" in report["message"]
     apply_calibration(model, report)
     assert model.exit_defaults["exit_criterion"] is None, "full depth is stored"
-    assert "Early exit is off by default" in calibration_card(report)
+    card = calibration_card(report)
+    assert "Early exit is off by default" in card
+    # every measured setting is in the card: predicted next to measured, both quality measures, none kept
+    rows = [line for line in card.splitlines() if line.endswith("| no |")]
+    assert len(rows) == 3 and all("| 0.800 | 0.500 |" in row for row in rows)
+    assert "0.97x)" in rows[0] and "0.90x)" in rows[1]
 
 
 def test_the_next_candidate_is_kept_when_it_measures_faster(fitted, monkeypatch):
@@ -296,7 +302,17 @@ def test_the_next_candidate_is_kept_when_it_measures_faster(fitted, monkeypatch)
     assert report["chosen"]["check_layers"] == second["check_layers"]
     assert report["chosen"]["thresholds"] == second["thresholds"]
     card = calibration_card(report)
-    assert "1.15x (lower quartile 1.10x)" in card and "Identical-token share" in card
+    assert "1.15x (lower quartile 1.10x)" in card
+    assert card.count("| no |") == 1 and card.count("| yes |") == 1 and "1.15x (1.10x)" in card
+
+
+def test_lower_quartile_stays_within_the_measured_values():
+    from ee_transformers.training.calibrate import lower_quartile
+
+    assert abs(lower_quartile([0.9, 21.0]) - (0.9 + 0.25 * 20.1)) < 1e-12  # one outlier pair: not below the slower
+    assert lower_quartile([1.2]) == 1.2
+    values = [0.95, 1.0, 1.05, 1.1, 1.2]
+    assert lower_quartile(values) == 1.0 and min(values) <= lower_quartile(values[::-1]) <= max(values)
 
 
 def test_measured_speed_of_a_real_run_is_recorded(fitted):
@@ -315,8 +331,10 @@ def test_measured_speed_of_a_real_run_is_recorded(fitted):
         costs=FREE,
     )
     assert report["speed"]["tried"], "the chosen setting was measured"
-    measured = report["speed"]["tried"][0]["measured"]
+    tried = report["speed"]["tried"][0]
+    measured = tried["measured"]
     assert measured["pairs"] >= 1 and measured["lower_quartile"] > 0
+    assert 0 <= measured["per_token_agreement"] <= 1 and 0 <= tried["predicted_B"]["agreement"] <= 1
     assert report["speed"]["kept"] == (measured["lower_quartile"] > 1.0) == (report["chosen"] is not None)
 
 

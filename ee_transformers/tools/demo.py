@@ -229,25 +229,52 @@ def _calibration_texts(novels, python_docs, max_chars):
     ]
 
 
+class FullDepthTexts:
+    """Full-depth greedy texts of the prompts, decoded once per batch size and shared by every row of the screen:
+    the reference each mode's quality is measured against."""
+
+    def __init__(self, plain, prompts, new_tokens):
+        self.plain, self.prompts, self.new_tokens, self.by_batch = plain, prompts, new_tokens, {}
+
+    @torch.no_grad()
+    def batches(self, batch_size):
+        """[(ids, mask, full-depth sequences, the full model's view of them)] at `batch_size`."""
+        from ee_transformers.tools import bench
+        from ee_transformers.tools.bench.timing import greedy_generation_config
+        from ee_transformers.tools.quality import eos_token_ids, full_model_view
+
+        if batch_size not in self.by_batch:
+            plain, eos, found = self.plain, eos_token_ids(self.plain), []
+            count = max(1, len(self.prompts) // batch_size)
+            for ids, mask, _ in bench.make_batches(self.prompts, batch_size, count, device=plain.device):
+                config = greedy_generation_config(plain, self.new_tokens)
+                full = plain.generate(ids, attention_mask=mask, generation_config=config).sequences
+                found.append((ids, mask, full, full_model_view(plain, full, ids.shape[1], mask, eos)))
+            self.by_batch[batch_size] = found
+        return self.by_batch[batch_size]
+
+
 @torch.no_grad()
-def _quality(model, plain, prompts, batch_size, new_tokens, exit_kwargs):
-    """The quality measures of `model.generate(**exit_kwargs)` against `plain` full depth, untimed: the benchmark's
-    definitions (`bench.timing`, `tools/quality.py`)."""
+def _quality(model, reference: FullDepthTexts, batch_size, exit_kwargs):
+    """The quality measures of `model.generate(**exit_kwargs)` against full depth (`reference`), untimed: the
+    definitions of `tools/quality.py`, as the benchmark uses them."""
     from ee_transformers.tools import bench
     from ee_transformers.tools.bench.timing import greedy_generation_config
     from ee_transformers.tools.quality import eos_token_ids, full_model_view, summarise_views
 
+    plain = reference.plain
     views, plain_views, rows = [], [], []
     eos = eos_token_ids(plain)
-    for ids, mask, _ in bench.make_batches(
-        prompts, batch_size, max(1, len(prompts) // batch_size), device=model.device
-    ):
-        config = greedy_generation_config(plain, new_tokens)
-        full = plain.generate(ids, attention_mask=mask, generation_config=config).sequences
-        config.update(**exit_kwargs, allow_custom_entries=True)  # the mode's settings are generation settings
-        ee = model.generate(ids, attention_mask=mask, generation_config=config).sequences
-        views.append(full_model_view(plain, ee, ids.shape[1], mask, eos))
-        plain_views.append(full_model_view(plain, full, ids.shape[1], mask, eos))
+    for ids, mask, full, full_view in reference.batches(batch_size):
+        if model is plain:
+            ee = full
+        else:
+            # without the stored settings in the passed config: {} falls back to the model's own (stored) settings
+            config = greedy_generation_config(plain, reference.new_tokens, clear_exit_settings=True)
+            config.update(**exit_kwargs, allow_custom_entries=True)  # the mode's settings are generation settings
+            ee = model.generate(ids, attention_mask=mask, generation_config=config).sequences
+        views.append(full_view if model is plain else full_model_view(plain, ee, ids.shape[1], mask, eos))
+        plain_views.append(full_view)
         rows += bench.agreement(full[:, ids.shape[1] :].cpu(), ee[:, ids.shape[1] :].cpu(), eos)
     q = summarise_views(views, plain_views)
     return {
@@ -268,8 +295,11 @@ def gains(
 ):
     """The main job's final screen: full depth, the stored (calibrated) setting, lossless self-speculation and the
     lean HELIOS model, each with its measured speed against full depth and the quality measures, one line of meaning
-    each. The stored setting's speed is calibration's own interleaved measurement (the one that decided whether exits
-    stay on), so the screen cannot show a stored setting slower than full depth by its own measurement."""
+    each; with `pool` (a `_PoolSpec`) also the HELIOS pool and its two models alone, on the mixed prompts.
+
+    The stored setting's speed is calibration's own interleaved measurement (the one that decided whether exits stay
+    on), so the screen cannot show a stored setting slower than full depth by its own measurement. When calibration
+    stored full depth, the setting that came closest is shown beside it (not stored), and the lean model uses it."""
     from ee_transformers.lean_early_exit import resident_parameter_bytes
     from ee_transformers.tools import bench
     from ee_transformers.tools.quality import EXPLAINER
@@ -281,7 +311,12 @@ def gains(
         "tokens to 1st divergence | perplexity (full model's) | resident weights | what it means |"
     )
     lines = [header, "|---|---|---|---|---|---|---|---|---|"]
-    weights = resident_parameter_bytes(model)
+    weights = _gib(resident_parameter_bytes(model))
+    reference = FullDepthTexts(plain, prompts, new_tokens)
+    tried = (report.get("speed") or {}).get("tried") or []
+    closest = None
+    if not report.get("chosen") and tried:
+        closest = max(tried, key=lambda t: t["measured"]["lower_quartile"])
 
     def row(mode, b, speed, q, resident, meaning):
         lines.append(
@@ -289,28 +324,38 @@ def gains(
             f"{q['first_divergence']:.1f} | {q['ppl']:.2f} | {resident} | {meaning} |"
         )
 
+    def calibration_speed(t, b):
+        measured = t["by_batch_size"].get(str(b))
+        if measured is None:
+            return "not measured at this batch (calibration stopped at the first batch size that missed)"
+        return f"{measured['median']:.2f}x (lower quartile {measured['lower_quartile']:.2f}x)"
+
     for b in batch_sizes:
-        q_full = _quality(plain, plain, prompts, b, new_tokens, {})
-        row("full depth", b, "1.00x", q_full, _gib(weights), "every layer for every token: the reference")
+        q_full = _quality(plain, reference, b, {})
+        row("full depth", b, "1.00x", q_full, weights, "every layer for every token: the reference")
         if report.get("chosen"):
-            measured = (report.get("speed") or {}).get("tried", [{}])[-1].get("by_batch_size", {}).get(str(b))
-            speed = (
-                f"{measured['median']:.2f}x (lower quartile {measured['lower_quartile']:.2f}x)"
-                if measured
-                else "not measured at this batch"
-            )
             row(
                 "calibrated (stored)",
                 b,
-                speed,
-                _quality(model, plain, prompts, b, new_tokens, {}),
-                _gib(weights),
+                calibration_speed(tried[-1], b) if tried else "not measured",
+                _quality(model, reference, b, {}),
+                weights,
                 f"checks exits {report['chosen']['check_layers']}: faster, the text may differ",
             )
         else:
             lines.append(
                 f"| calibrated (stored) | {b} | = full depth | 1.000 | 1.000 | all | {q_full['ppl']:.2f} | "
-                f"{_gib(weights)} | {report.get('message', '').replace('|', '/')} |"
+                f"{weights} | {report.get('message', '').replace('|', '/')} |"
+            )
+        if closest is not None:
+            row(
+                "closest setting (not stored)",
+                b,
+                calibration_speed(closest, b),
+                _quality(model, reference, b, _setting(report, closest)),
+                weights,
+                f"exits {closest['check_layers']} at thresholds {[round(t, 4) for t in closest['thresholds']]}: "
+                "what calibration measured and turned down; pass it to `generate()` to use it anyway",
             )
         draft = exits[len(exits) // 2]
         spec = {"assistant_early_exit": draft + 1, "num_assistant_tokens": 4}
@@ -321,49 +366,73 @@ def gains(
             f"self-speculative (drafts from exit {draft})",
             b,
             f"{measured['median']:.2f}x",
-            _quality(model, plain, prompts, b, new_tokens, spec),
-            _gib(weights),
+            _quality(model, reference, b, spec),
+            weights,
             "lossless: the same text as full depth by construction",
         )
-    if calibration_texts and folder and report.get("chosen"):
-        lines += _lean_lines(model, plain, prompts, folder, batch_sizes[-1], new_tokens, config, calibration_texts)
+    if calibration_texts and folder and (report.get("chosen") or closest is not None):
+        settings = {} if report.get("chosen") else _setting(report, closest)
+        lines += _lean_lines(model, reference, folder, batch_sizes[-1], config, calibration_texts, settings)
     if pool is not None:
         lines += _pool_lines(plain, prompts, pool, new_tokens, quick)
     lines += [
         "",
         EXPLAINER,
         "Speed: paired, interleaved ratios of decode time per token against full depth on the "
-        "same weights (median; calibrated: lower quartile too, as calibration measured it; the pool's rows: "
-        "new tokens per second over the whole generate, interleaved with full depth in the same run).",
+        "same weights (median; calibrated and closest: calibration's own measurement, with its lower quartile; "
+        "the pool's rows: new tokens per second over the whole generate, interleaved with full depth in the same "
+        "run).",
     ]
     return lines
 
 
-def _lean_lines(model, plain, prompts, folder, batch_size, new_tokens, config, texts):
-    """HELIOS lean loading: profile the stored settings, load only the layers 95% of tokens need, show the memory."""
+def _setting(report, tried):
+    """generate() exit arguments of a setting calibration measured."""
+    return {
+        "exit_criterion": report["criterion"],
+        "exit_threshold": list(tried["thresholds"]),
+        "exit_check_layers": list(tried["check_layers"]),
+        "exit_policy": report["policy"],
+        "exit_patience": report["patience"],
+        "exit_kv": report["kv"],
+    }
+
+
+def _lean_lines(model, reference, folder, batch_size, config, texts, settings):
+    """HELIOS lean loading: profile the exit settings (`settings`, or the stored ones when empty), load only the
+    layers 95% of tokens need, show the memory."""
     import ee_transformers as eet
     from ee_transformers.lean_early_exit import resident_parameter_bytes
     from ee_transformers.tools import bench
     from ee_transformers.tools.profile import profile_exits
 
     profile = profile_exits(
-        model, model.tokenizer, texts, batch_size=4, window=128, max_tokens=4096, write=False, progress=False
+        model,
+        model.tokenizer,
+        texts,
+        batch_size=4,
+        window=128,
+        max_tokens=4096,
+        write=False,
+        progress=False,
+        **settings,
     )
     depth = profile.recommend(0.95)
+    which = "the stored settings" if not settings else "the closest setting"
     if depth >= model.config.num_hidden_layers - 1:
         return [
-            f"| lean (HELIOS) | - | - | - | - | - | - | - | the profile needs full depth for 95% of tokens "
-            f"({profile}) |"
+            f"| lean (HELIOS) | - | - | - | - | - | - | - | with {which}, the profile needs full depth for 95% of "
+            f"tokens ({profile}) |"
         ]
     lean = eet.from_base(folder, exit_max_layer=depth, dtype=model.dtype).eval()
-    measured = bench.compare(lean, plain, prompts, {}, config=config, batch_size=batch_size, name="lean")
-    q = _quality(lean, plain, prompts, batch_size, new_tokens, {})
+    measured = bench.compare(lean, reference.plain, reference.prompts, settings, config=config, batch_size=batch_size)
+    q = _quality(lean, reference, batch_size, settings)
     full_w, lean_w = resident_parameter_bytes(model), resident_parameter_bytes(lean)
     return [
         f"| lean (HELIOS, layers 0..{depth}) | {batch_size} | {measured['speedup']['median']:.2f}x | "
         f"{q['per_token_agreement']:.3f} | {q['identical_share']:.3f} | {q['first_divergence']:.1f} | "
-        f"{q['ppl']:.2f} | {_gib(lean_w)} ({100 * lean_w / full_w:.0f}%) | tokens undecided at {depth} exit "
-        f"greedily there; the memory saved holds {full_w / max(lean_w, 1):.2f}x the batch in weights' room |"
+        f"{q['ppl']:.2f} | {_gib(lean_w)} ({100 * lean_w / full_w:.0f}%) | {which}; tokens undecided at {depth} "
+        f"exit greedily there; the memory saved holds {full_w / max(lean_w, 1):.2f}x the batch in weights' room |"
     ]
 
 
@@ -527,6 +596,7 @@ def _fit_and_calibrate(args, spec, exit_layers, model_dir, novels, python_docs, 
             target_agreement=args.target_agreement,
             policy=args.policy,
             measure_speed=True,
+            verify_prompts=4 if args.quick else 8,
             speed_batch_sizes=batch_sizes,
             speed_new_tokens=min(args.new_tokens, 32),
             speed_repeats=2 if args.quick else 3,

@@ -92,7 +92,8 @@ class _PrefillTimer:
 def _timed_generate(model, batch, new_tokens, kwargs):
     """One greedy generate. Returns (total seconds, prefill seconds, new tokens, output)."""
     ids, mask, _ = batch
-    generation_config = _generation_config(model, new_tokens)
+    # stored confident-exit settings do not combine with self-speculation: its runs start from a config without them
+    generation_config = _generation_config(model, new_tokens, clear_exit_settings="assistant_early_exit" in kwargs)
     with _PrefillTimer(model) as prefill:
         _sync(ids.device)
         start = time.perf_counter()
