@@ -145,6 +145,7 @@ class CalibrationConfig:
             "min": 1,
         },
     )
+    progress: bool = field(default=False, metadata={"help": "show progress bars while collecting exit scores"})
     speed_candidates: int = field(
         default=3,
         metadata={"help": "settings measured at most, fastest predicted first, until one clears 1.0", "min": 1},
@@ -188,10 +189,11 @@ scores_from_logits = logit_score  # (..., V) logits -> (...) scores, the runtime
 
 @torch.no_grad()
 def collect_exit_scores(
-    model, blocks: torch.LongTensor, criterion: str, batch_size: int = 4, skip_positions: int = 0
+    model, blocks: torch.LongTensor, criterion: str, batch_size: int = 4, skip_positions: int = 0, progress=None
 ) -> dict:
     """Teacher-forced over `blocks` (n, T): per position, each exit's score under `criterion` and argmax, and the
-    final layer's argmax. Returns {"scores": (N, E) float, "argmax": (N, E) long, "final": (N,) long}."""
+    final layer's argmax. Returns {"scores": (N, E) float, "argmax": (N, E) long, "final": (N,) long}. `progress`: a
+    description to show a progress bar under (None: no bar)."""
     if criterion not in CRITERIA:
         raise ValueError(f"`criterion` must be one of {list(CRITERIA)}, got {criterion!r}.")
     if criterion == "learned" and model.confidence_heads is None:
@@ -200,7 +202,12 @@ def collect_exit_scores(
     was_training = model.training
     model.eval()
     scores, argmaxes, finals = [], [], []
-    for start in range(0, blocks.shape[0], batch_size):
+    starts = range(0, blocks.shape[0], batch_size)
+    if progress is not None:
+        from tqdm.auto import tqdm
+
+        starts = tqdm(starts, desc=progress, dynamic_ncols=True)
+    for start in starts:
         ids = blocks[start : start + batch_size].to(device)
         hidden = model.family.decoder(model)(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
         keep = slice(skip_positions, None)
@@ -607,8 +614,9 @@ def calibrate(model, data, config: CalibrationConfig | None = None, tokenizer=No
         costs = measure_costs(model, criterion, batch_size=decode_batch_size)
     costs = check_costs(costs)
     group = decode_batch_size if policy == "batch" else 1
-    data_a = collect_exit_scores(model, split_a, criterion, config.batch_size)
-    data_b = collect_exit_scores(model, split_b, criterion, config.batch_size)
+    bar = "calibrate: exit scores, split {}" if config.progress else None
+    data_a = collect_exit_scores(model, split_a, criterion, config.batch_size, progress=bar and bar.format("A"))
+    data_b = collect_exit_scores(model, split_b, criterion, config.batch_size, progress=bar and bar.format("B"))
     per_exit_b = [
         round(float((data_b["argmax"][:, i] == data_b["final"]).double().mean()), 4) for i in range(len(exit_layers))
     ]
@@ -986,7 +994,7 @@ def calibration_card(report: dict) -> str:
 
 # ---------------------------------------------------------------------------------------------------------------- cli
 # the command checks its choice by really decoding, and its speed by measuring; the Python defaults are off
-CLI_DEFAULTS = {"verify_prompts": 8, "measure_speed": True}
+CLI_DEFAULTS = {"verify_prompts": 8, "measure_speed": True, "progress": True}
 
 
 def build_parser():
