@@ -117,7 +117,7 @@ def build_parser():
     parser.add_argument(
         "--pool-steps",
         type=int,
-        default=100,
+        default=60,
         help="fitting steps of each of the pool's two single-domain models (0: leave the pool out)",
     )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -313,7 +313,7 @@ def gains(
     from ee_transformers.tools import bench
     from ee_transformers.tools.quality import EXPLAINER
 
-    config = bench.BenchConfig(new_tokens=new_tokens, repeats=1 if quick else 3, max_batches=[1], warmup=not quick)
+    config = bench.BenchConfig(new_tokens=new_tokens, repeats=1 if quick else 2, max_batches=[1], warmup=not quick)
     exits = list(model.config.exit_layers)
     header = (
         "| mode | batch | speed vs full depth (measured) | per-token agreement | identical-token share | "
