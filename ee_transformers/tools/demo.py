@@ -169,10 +169,17 @@ def _run(args):
     print(f"   ({_minutes(stage)} min)")
 
     if reuse:
+        from ee_transformers.training.calibrate import calibration_card
+
         print(f"== 2-4. reusing the fitted, calibrated folder {out}")
         model = from_base(out, dtype=torch.float32)
         report = json.loads(Path(out, "calibration.json").read_text())
         fit_summary = json.loads(Path(out, "fit_report.json").read_text())
+        model.card_data = {
+            **(model.card_data or {}),
+            **(fit_summary.get("card") or _fit_summary_card(fit_summary, spec)),
+            "calibration": calibration_card(report),
+        }
     else:
         model, report, fit_summary = _fit_and_calibrate(args, spec, exit_layers, model_dir, novels, python_docs, output)
     tokenizer = model.tokenizer
@@ -199,7 +206,7 @@ def _run(args):
     _show_sample(model, plain, tokenizer, prompts[0]["ids"], args.new_tokens, {})
     summary = {
         "folder": out,
-        "fit": {k: v for k, v in fit_summary.items() if k != "history"},
+        "fit": {k: v for k, v in fit_summary.items() if k not in ("history", "card")},
         "calibration": {k: report.get(k) for k in ("chosen", "heldout_B", "on_policy_B", "speed", "message")},
         "gains": table,
         "minutes": round((time.perf_counter() - started) / 60, 1),
@@ -223,6 +230,19 @@ def _run(args):
             shutil.copyfile(Path(model_dir, spec.terms), Path(folder, spec.terms))
     print(f"== done in {summary['minutes']} min; summary in {Path(out, 'demo_summary.json')}")
     return 0
+
+
+def _fit_summary_card(fit, spec):
+    """Card sections for a folder whose fit_report.json predates the card it now carries: what the fit recorded."""
+    pairs = ", ".join(
+        f"exit {e} {a:.3f} -> {b:.3f}"
+        for e, a, b in zip(fit["exit_layers"], fit["agreement_before"], fit["agreement_after"])
+    )
+    return {
+        "training": f"Exit heads fitted for {fit['steps']} steps by self-distillation on a frozen backbone (held-out "
+        f"agreement with the final layer: {pairs}); details in `fit_report.json`.",
+        "notes": spec.notes,
+    }
 
 
 def _minutes(since):
@@ -632,7 +652,11 @@ def _fit_and_calibrate(args, spec, exit_layers, model_dir, novels, python_docs, 
         output,
         tokenizer=tokenizer,
         card_data=card,
-        reports={"calibration.json": report, "fit_report.json": result.summary()},
+        # the card's own sections travel in fit_report.json, so `--reuse` rewrites the card whole
+        reports={
+            "calibration.json": report,
+            "fit_report.json": {**result.summary(), "card": {"training": card["training"], "notes": card["notes"]}},
+        },
         command="demo",
     )
     print(f"   saved {out}")
