@@ -214,6 +214,11 @@ def test_fetch_model_is_idempotent(monkeypatch, tmp_path):
     assert marker["num_hidden_layers"] == 30
 
     assert assets.fetch_model(cache, progress=False) == folder and len(calls) == 1
+    # a cache built before markers named the base model and license gets them, without a rebuild
+    old = {k: v for k, v in marker.items() if k not in ("base_model", "license")}
+    (folder / assets.MARKER).write_text(json.dumps(old))
+    assert assets.fetch_model(cache, progress=False) == folder and len(calls) == 1
+    assert json.loads((folder / assets.MARKER).read_text()) == marker
     assert assets.fetch_model(cache, force=True, progress=False) == folder and len(calls) == 2
     assert sorted(p.name for p in cache.iterdir()) == [assets.MODEL_DIRNAME]
 

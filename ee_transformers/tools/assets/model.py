@@ -115,6 +115,10 @@ def fetch_model(cache_dir: str | os.PathLike | None = None, force: bool = False,
     final = cache / MODEL_DIRNAME
     restore_folder(final)
     if not force and _model_complete(final):
+        marker = read_marker(final)
+        if "base_model" not in marker:  # built before markers named them: the same weights, the record completed
+            marker.update(base_model=MODEL_HUB_NAME, license=MODEL_LICENSE)
+            (final / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
         logger.info("model already cached at %s", final)
         return final
 
