@@ -122,7 +122,10 @@ def render_model_card(model, extra: dict | None = None) -> str:
             "exit_threshold=0.9,\n                     return_dict_in_generate=True)"
         )
         snippet_note = (
-            "No exit settings are stored, so the snippet passes some by hand; calibrate the folder "
+            "No exit settings are stored: calibration kept none (the Calibration section says why), so `generate()` "
+            "decodes at full depth and the snippet passes settings by hand to try early exit anyway."
+            if extra.get("calibration")
+            else "No exit settings are stored, so the snippet passes some by hand; calibrate the folder "
             "(`ee-transformers calibrate`) to store settings chosen for a quality target."
         )
     values = dict(
