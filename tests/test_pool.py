@@ -89,7 +89,15 @@ def test_pool_of_one_equals_the_model(base_dirs, family_name, mode):
 
 
 @pytest.mark.parametrize(
-    "families", [("llama", "llama"), ("llama", "qwen3"), ("gpt2", "olmo2"), ("gemma3", "phi3"), ("gemma2", "mistral")]
+    "families",
+    [
+        ("llama", "llama"),
+        ("llama", "qwen3"),
+        ("gpt2", "olmo2"),
+        ("gemma3", "phi3"),
+        ("gemma2", "mistral"),
+        ("qwen2", "llama"),
+    ],
 )
 @pytest.mark.parametrize("second", ["always exits", "sometimes exits"])
 def test_pool_moves_to_the_model_that_exits_and_continues_it_exactly(base_dirs, families, second):

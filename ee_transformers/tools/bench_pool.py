@@ -383,7 +383,8 @@ def _run(args):
     from ee_transformers.convert import from_base
     from ee_transformers.pool_early_exit import EarlyExitPool
     from ee_transformers.tools import assets, bench
-    from ee_transformers.tools.bench.timing import greedy_generation_config
+    from ee_transformers.tools.bench.timing import greedy_generation_config, without_eos
+    from ee_transformers.tools.quality import eos_token_ids
 
     started = time.perf_counter()
     out = Path(args.out).resolve()
@@ -423,9 +424,9 @@ def _run(args):
     warm = torch.tensor([prompts[0]["ids"]])
     for run in configs.values():  # warm-up: first calls pay allocations and lazy inits
         run(warm, greedy_generation_config(first, 4, clear_exit_settings=True))
-    eos = first.generation_config.eos_token_id
-    eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-    results = run_workload(configs, prompts, config, args.repeats, eos_ids, first.config.num_hidden_layers, plain)
+    eos_ids = eos_token_ids(first)  # before `without_eos`: agreement is scored up to full depth's EOS
+    with without_eos(plain, *models.values()):
+        results = run_workload(configs, prompts, config, args.repeats, eos_ids, first.config.num_hidden_layers, plain)
 
     machine = f"torch {torch.__version__}, {torch.get_num_threads()} threads, {torch.device('cpu')}"
     report = format_report(complement, results, args, list(models), machine)

@@ -26,7 +26,6 @@ Python API: `measure_costs`, `ideal_ms`, `pass_through_above`, `ForcedDraftHead`
 """
 
 import argparse
-import contextlib
 import copy
 import json
 import statistics
@@ -41,7 +40,7 @@ from transformers import DynamicCache
 
 from ee_transformers.tools.arguments import run_command
 from ee_transformers.tools.bench import heldout_prompts, load_models, make_batches, plain_twin, random_prompts
-from ee_transformers.tools.bench.timing import greedy_generation_config
+from ee_transformers.tools.bench.timing import greedy_generation_config, without_eos
 
 __all__ = [
     "ForcedDraftHead",
@@ -206,22 +205,8 @@ def ideal_ms(costs, num_layers, new_tokens, exit_layer=None, draft_lengths=()):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _without_eos(*models):
-    """No EOS stop while the benchmark runs, so every run decodes the same number of steps. (An `eos_token_id=None` in
-    a passed GenerationConfig does not do it: generate refills unset fields from `model.generation_config`.)"""
-    stored = [m.generation_config.eos_token_id for m in models]
-    for m in models:
-        m.generation_config.eos_token_id = None
-    try:
-        yield
-    finally:
-        for m, eos in zip(models, stored):
-            m.generation_config.eos_token_id = eos
-
-
 def _greedy(model, new_tokens):
-    """Greedy, exactly `new_tokens` tokens (with `_without_eos`); without stored confident-exit settings (a
+    """Greedy, exactly `new_tokens` tokens (with `without_eos`); without stored confident-exit settings (a
     calibrated folder has them, and they do not combine with `assistant_early_exit`)."""
     return greedy_generation_config(model, new_tokens, clear_exit_settings=True)
 
@@ -318,7 +303,7 @@ def run_benchmark(
     """The side-by-side run; returns the report (`format_table` prints it). heads=False: forced profiles only (for
     random weights, whose heads decide nothing); forced_exits: the exits of the forced profiles (default: all)."""
     plain_model.generation_config = copy.deepcopy(plain_model.generation_config)  # the twin shares ee's otherwise
-    with _without_eos(ee_model, plain_model):
+    with without_eos(ee_model, plain_model):
         return _run(
             ee_model,
             plain_model,

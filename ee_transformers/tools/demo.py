@@ -417,14 +417,10 @@ def gains(
 
 def _setting(report, tried):
     """generate() exit arguments of a setting calibration measured."""
-    return {
-        "exit_criterion": report["criterion"],
-        "exit_threshold": list(tried["thresholds"]),
-        "exit_check_layers": list(tried["check_layers"]),
-        "exit_policy": report["policy"],
-        "exit_patience": report["patience"],
-        "exit_kv": report["kv"],
-    }
+    from ee_transformers.training.calibrate import exit_arguments
+
+    c, r = tried, report
+    return exit_arguments(r["criterion"], c["check_layers"], c["thresholds"], r["policy"], r["patience"], r["kv"])
 
 
 def _lean_lines(model, reference, folder, batch_size, config, texts, settings):
@@ -512,7 +508,7 @@ def pool_rows(models, plain, prompts, new_tokens, repeats=2, settings=POOL_SETTI
     from ee_transformers.lean_early_exit import resident_parameter_bytes
     from ee_transformers.pool_early_exit import EarlyExitPool
     from ee_transformers.tools import bench_pool
-    from ee_transformers.tools.bench.timing import greedy_generation_config
+    from ee_transformers.tools.bench.timing import greedy_generation_config, without_eos
     from ee_transformers.tools.quality import eos_token_ids
 
     bench_pool.share_backbone(list(models.values()))
@@ -520,15 +516,10 @@ def pool_rows(models, plain, prompts, new_tokens, repeats=2, settings=POOL_SETTI
     configs = bench_pool.configurations(models, plain, pool, settings, {"pool_interval": interval})
     for run in configs.values():  # warm-up
         run(torch.tensor([prompts[0]["ids"]]), greedy_generation_config(plain, 4, clear_exit_settings=True))
-    results = bench_pool.run_workload(
-        configs,
-        prompts,
-        greedy_generation_config(plain, new_tokens, clear_exit_settings=True),
-        repeats,
-        eos_token_ids(plain),
-        plain.config.num_hidden_layers,
-        plain,
-    )
+    eos = eos_token_ids(plain)  # before `without_eos`: agreement is scored up to full depth's EOS
+    config = greedy_generation_config(plain, new_tokens, clear_exit_settings=True)
+    with without_eos(plain, *models.values()):
+        results = bench_pool.run_workload(configs, prompts, config, repeats, eos, plain.config.num_hidden_layers, plain)
     full = results["full depth"]["tok_s"]
     names = list(models)
     alone = {f"{name} alone": name for name in names}

@@ -557,7 +557,8 @@ def on_policy_agreement(
     }
 
 
-def _exit_kwargs(criterion, check_layers, thresholds, policy, patience, kv) -> dict:
+def exit_arguments(criterion, check_layers, thresholds, policy, patience, kv) -> dict:
+    """generate() exit arguments of a calibrated setting."""
     return {
         "exit_criterion": criterion,
         "exit_threshold": list(thresholds),
@@ -670,7 +671,7 @@ def calibrate(model, data, config: CalibrationConfig | None = None, tokenizer=No
             checked = on_policy_agreement(
                 model,
                 prompts,
-                _exit_kwargs(
+                exit_arguments(
                     criterion, [exit_layers[i] for i in best["check"]], best["thresholds"], policy, patience, kv
                 ),
                 config.verify_new_tokens,
@@ -746,7 +747,7 @@ def _search_verified(model, report, data_a, exit_layers, num_layers, costs, conf
         checked = on_policy_agreement(
             model,
             prompts,
-            _exit_kwargs(criterion, check_layers, best["thresholds"], policy, patience, kv),
+            exit_arguments(criterion, check_layers, best["thresholds"], policy, patience, kv),
             config.verify_new_tokens,
             config.decode_batch_size,
         )
@@ -805,7 +806,7 @@ def _keep_if_measured_faster(
     tried, winner = [], None
     for candidate in order[: config.speed_candidates]:
         check_layers = [exit_layers[i] for i in candidate["check"]]
-        kwargs = _exit_kwargs(
+        kwargs = exit_arguments(
             config.criterion, check_layers, candidate["thresholds"], config.policy, config.patience, config.kv
         )
         per_batch = {}

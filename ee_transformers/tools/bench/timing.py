@@ -1,6 +1,7 @@
 """Timing and comparison: plain and early-exit generate interleaved on the same batches, paired ratios of decoding
 milliseconds per step, greedy agreement, exit statistics and the ideal speed-up of the exits that happened."""
 
+import contextlib
 import copy
 import math
 import statistics
@@ -35,9 +36,23 @@ def _generate_kwargs(model, variant):
     return kwargs
 
 
+@contextlib.contextmanager
+def without_eos(*models):
+    """No EOS stop while the block runs, so every run decodes the same number of steps. (An `eos_token_id=None` in a
+    passed GenerationConfig does not do it: generate refills unset fields from `model.generation_config`.)"""
+    stored = [m.generation_config.eos_token_id for m in models]
+    for m in models:
+        m.generation_config.eos_token_id = None
+    try:
+        yield
+    finally:
+        for m, eos in reversed(list(zip(models, stored))):  # models may share one config: restore in reverse
+            m.generation_config.eos_token_id = eos
+
+
 def greedy_generation_config(model, new_tokens, clear_exit_settings=False):
-    """Greedy, exactly `new_tokens` tokens: EOS does not stop a row, so plain and early-exit runs decode the same
-    number of steps whatever they generate (agreement is still scored up to the plain row's first EOS). With
+    """Greedy, `new_tokens` tokens; inside `without_eos` exactly that many, so plain and early-exit runs decode the
+    same number of steps whatever they generate (agreement is still scored up to the plain row's first EOS). With
     `clear_exit_settings`, without the model's stored exit settings (they do not combine with other modes)."""
     config = copy.deepcopy(model.generation_config)
     eos = eos_token_ids(model)
@@ -166,9 +181,16 @@ def compare_many(ee_model, plain_model, batches, variants, config=None, repeats=
     mean ms per decoding step of its two neighbouring plain runs over its own. Returns one result dict per variant.
     """
     config = config or BenchConfig()
-    new_tokens, repeats = config.new_tokens, repeats or config.repeats
+    eos = eos_token_ids(plain_model)  # read before `without_eos`: agreement is scored up to the plain row's EOS
+    with without_eos(ee_model, plain_model):
+        return _compare_many(
+            ee_model, plain_model, batches, variants, config, repeats or config.repeats, costs, log, eos
+        )
+
+
+def _compare_many(ee_model, plain_model, batches, variants, config, repeats, costs, log, eos):
+    new_tokens = config.new_tokens
     batch_size = batches[0][0].shape[0]
-    eos = eos_token_ids(plain_model)
     if config.warmup:  # first calls pay one-off allocation and dispatch costs
         for batch in batches[:1]:
             _timed_generate(plain_model, batch, min(new_tokens, 3), {})
