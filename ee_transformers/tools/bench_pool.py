@@ -26,14 +26,16 @@ from pathlib import Path
 import torch
 
 from ee_transformers.tools.arguments import InputError, run_command
+from ee_transformers.tools.demo import CALIBRATION_REGIONS, FIT_REGIONS, text_slice
 
 HELIOS_CLAIM = (
     "HELIOS (arXiv abstract) reports 1.48x throughput and 15.14x batch size over existing early-exit "
     "frameworks, for model switching and lean loading together; the abstract gives no figure for the pool "
     "alone."
 )
-FIT_REGIONS = {"python": (0.0, 0.5)}  # plus the five training novels, whole (as the demo fits)
-PROFILE_REGIONS = {"austen": (0.0, 0.5), "python": (0.6, 0.7)}  # held out from fits and from the prompts
+# the demo's regions: fits on the first half of the manual (and the five training novels, whole); profiles on the
+# calibration regions, held out from fits and from the prompts
+PROFILE_REGIONS = CALIBRATION_REGIONS
 
 
 def build_parser():
@@ -63,27 +65,26 @@ def build_parser():
     return parser
 
 
-def _slice(path, region, max_chars):
-    text = Path(path).read_text(encoding="utf-8", errors="replace")
-    start, stop = int(region[0] * len(text)), int(region[1] * len(text))
-    return text[start : min(stop, start + max_chars)]
+def domain_texts(novels, manual, max_chars):
+    """{model name: training texts}, {domain: held-out profiling text}, equal characters per domain; `novels`: {slug:
+    path}, `manual`: the Python manual's path."""
+    from ee_transformers.tools import assets
+
+    per_novel = max_chars // len(assets.AUSTEN_TRAIN)
+    train = {
+        "novels": [text_slice(novels[name], (0.0, 1.0), per_novel) for name in assets.AUSTEN_TRAIN],
+        "python": [text_slice(manual, FIT_REGIONS["python"], max_chars)],
+    }
+    heldout = {
+        "austen": text_slice(novels[assets.AUSTEN_HELDOUT], PROFILE_REGIONS["austen"], 60_000),
+        "python": text_slice(manual, PROFILE_REGIONS["python"], 60_000),
+    }
+    return train, heldout
 
 
 def _domain_texts(assets, max_chars):
-    """{model name: training texts}, {domain: held-out profiling text}; equal characters per domain."""
     text = assets.fetch_text()
-    novels = {Path(p).stem: p for p in text["austen"]}
-    manual = text["python"][0]
-    per_novel = max_chars // len(assets.AUSTEN_TRAIN)
-    train = {
-        "novels": [_slice(novels[name], (0.0, 1.0), per_novel) for name in assets.AUSTEN_TRAIN],
-        "python": [_slice(manual, FIT_REGIONS["python"], max_chars)],
-    }
-    heldout = {
-        "austen": _slice(novels[assets.AUSTEN_HELDOUT], PROFILE_REGIONS["austen"], 60_000),
-        "python": _slice(manual, PROFILE_REGIONS["python"], 60_000),
-    }
-    return train, heldout
+    return domain_texts({Path(p).stem: p for p in text["austen"]}, text["python"][0], max_chars)
 
 
 def fit_domain_model(texts, model_dir, exit_layers, steps, adapter_rank=64, block_size=128, lr=2e-3, positions=32):

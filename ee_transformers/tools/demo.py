@@ -65,7 +65,8 @@ DEMO_MODELS = {
 }
 
 
-def _slice(path, region, max_chars):
+def text_slice(path, region, max_chars):
+    """The text of `path` between the fractions `region` = (start, stop), at most `max_chars` of it."""
     text = Path(path).read_text(encoding="utf-8", errors="replace")
     start, stop = int(region[0] * len(text)), int(region[1] * len(text))
     return text[start : min(stop, start + max_chars)]
@@ -253,8 +254,8 @@ def _calibration_texts(novels, python_docs, max_chars):
     from ee_transformers.tools import assets
 
     return [
-        _slice(novels[assets.AUSTEN_HELDOUT], CALIBRATION_REGIONS["austen"], max_chars // 2),
-        _slice(python_docs, CALIBRATION_REGIONS["python"], max_chars // 2),
+        text_slice(novels[assets.AUSTEN_HELDOUT], CALIBRATION_REGIONS["austen"], max_chars // 2),
+        text_slice(python_docs, CALIBRATION_REGIONS["python"], max_chars // 2),
     ]
 
 
@@ -476,15 +477,11 @@ POOL_INTERVAL = 16
 def _pool_lines(plain, prompts, spec, new_tokens, quick):
     """HELIOS's model pool on the mixed prompts (Austen and Python, alternating): two early-exit models on the one
     frozen backbone, exit heads fitted on one domain each (`bench-pool`'s models, fewer steps), then `pool_rows`."""
-    from ee_transformers.tools import assets, bench_pool
+    from ee_transformers.tools import bench_pool
 
     args, stage = spec.args, time.perf_counter()
     exit_layers = args.exit_layers[-2:]  # the deeper exits: a max_prob check costs an LM-head call each
-    chars = args.max_chars // 2
-    texts = {
-        "novels": [_slice(spec.novels[n], (0.0, 1.0), chars // len(assets.AUSTEN_TRAIN)) for n in assets.AUSTEN_TRAIN],
-        "python": [_slice(spec.python_docs, FIT_REGIONS["python"], chars)],
-    }
+    texts, _ = bench_pool.domain_texts(spec.novels, spec.python_docs, args.max_chars // 2)
     print(f"   pool: fitting exits {exit_layers} on each domain alone ({args.pool_steps} steps each)")
     models = {
         f"{name}-fitted heads": bench_pool.fit_domain_model(t, spec.model_dir, exit_layers, args.pool_steps)[0].eval()
@@ -573,8 +570,8 @@ def _fit_and_calibrate(args, spec, exit_layers, model_dir, novels, python_docs, 
 
     print(f"== 3. fit ({args.steps} steps, frozen backbone)")
     stage = time.perf_counter()
-    train_texts = [_slice(novels[name], (0.0, 1.0), args.max_chars) for name in assets.AUSTEN_TRAIN]
-    train_texts.append(_slice(python_docs, FIT_REGIONS["python"], args.max_chars))
+    train_texts = [text_slice(novels[name], (0.0, 1.0), args.max_chars) for name in assets.AUSTEN_TRAIN]
+    train_texts.append(text_slice(python_docs, FIT_REGIONS["python"], args.max_chars))
     blocks = tokenize_blocks(train_texts, tokenizer, 256)
     order = torch.randperm(blocks.shape[0], generator=torch.Generator().manual_seed(0))
     heldout, train = blocks[order[:8]], blocks[order[8:]]
