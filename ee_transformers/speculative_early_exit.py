@@ -51,32 +51,32 @@ from torch import nn
 from torch.profiler import record_function
 from transformers.generation.stopping_criteria import MaxLengthCriteria, StoppingCriteriaList
 
-from .generation_early_exit import EXIT_ARGUMENTS, GenerateEarlyExitOutput
+from .generation_early_exit import EXIT_ARGUMENTS, GenerateEarlyExitOutput, _is_int
 
 # ---------------------------------------------------------------------------------------------------------------------
 # settings
 # ---------------------------------------------------------------------------------------------------------------------
 SCHEDULES = ("constant", "heuristic", "heuristic_transient")
+DRAFT_SOURCES = ("assistant_early_exit", "prompt_lookup_num_tokens")  # transformers' arguments
 
 
-def _is_int(x):
-    return isinstance(x, int) and not isinstance(x, bool)
+def _requested(name, model, generation_config, kwargs):
+    """`name` from `kwargs` (an explicit None turns a stored value off, as in transformers), else from
+    `generation_config`, else from `model.generation_config`."""
+    if name in kwargs:
+        return kwargs[name]
+    sources = [c for c in (generation_config, model.generation_config) if c is not None]
+    return next((getattr(c, name) for c in sources if getattr(c, name, None) is not None), None)
 
 
 def speculation_requested(model, generation_config, kwargs) -> bool:
-    """Whether `generate(generation_config=..., **kwargs)` decodes speculatively: `assistant_early_exit` in `kwargs` (an
-    explicit None turns a stored value off, as in transformers), else in `generation_config`, else in
+    """Whether `generate(generation_config=..., **kwargs)` decodes speculatively: `assistant_early_exit` (exit-head
+    drafts) or `prompt_lookup_num_tokens` (context drafts) set in `kwargs`, `generation_config` or
     `model.generation_config`. Raises a `ValueError` for what it cannot be combined with."""
-    sources = [c for c in (generation_config, model.generation_config) if c is not None]
-    value = (
-        kwargs["assistant_early_exit"]
-        if "assistant_early_exit" in kwargs
-        else next(
-            (c.assistant_early_exit for c in sources if getattr(c, "assistant_early_exit", None) is not None), None
-        )
-    )
-    if value is None:
+    names = [n for n in DRAFT_SOURCES if _requested(n, model, generation_config, kwargs) is not None]
+    if not names:
         return False
+    mode = " and ".join(f"`{n}`" for n in names)
 
     def given(name):  # in this call (stored confident-exit defaults are not used by this mode)
         return kwargs.get(name) is not None or getattr(generation_config, name, None) is not None
@@ -84,47 +84,92 @@ def speculation_requested(model, generation_config, kwargs) -> bool:
     for name in EXIT_ARGUMENTS:
         if given(name):
             raise ValueError(
-                f"`assistant_early_exit` cannot be combined with `{name}`: self-speculative decoding "
-                "always decides at full depth, confident exits stop early. Pass one or the other (stored "
-                "confident-exit defaults are not used with `assistant_early_exit`)."
+                f"{mode} cannot be combined with `{name}`: self-speculative decoding always decides at full "
+                "depth, confident exits stop early. Pass one or the other (stored confident-exit defaults are not "
+                "used with speculative decoding)."
             )
-    for name in ("assistant_model", "prompt_lookup_num_tokens"):
-        if given(name):
-            raise ValueError(
-                f"`assistant_early_exit` drafts with the model's own exit head; it cannot be combined with `{name}`."
-            )
+    if given("assistant_model"):
+        raise ValueError(f"{mode} drafts with the model itself; it cannot be combined with `assistant_model`.")
     return True
 
 
 @dataclass
 class SpeculativeSettings:
-    """Resolved self-speculative settings. exit_layer: E, the 0-based layer whose exit head drafts; exit_index: its
-    position in `config.exit_layers`; num_tokens: K, the most drafts per round (the start value of a heuristic
-    schedule); schedule: "constant" or "heuristic" (K + 2 after a round that accepted every draft, else K - 1, per
-    row); threshold: a row stops drafting when its draft's confidence falls below it (0: never)."""
+    """Resolved self-speculative settings.
 
-    exit_layer: int
-    exit_index: int
+    exit_layer: E, the 0-based layer whose exit head drafts (None: no exit-head drafts); exit_index: its position in
+    `config.exit_layers`; num_tokens: K, the most exit-head drafts per round; lookup_tokens: N, the most context drafts
+    per round (0: none); ngram_size: the longest n-gram matched in the context; schedule: "constant" or "heuristic"
+    (a row's budget + 2 after a round that accepted every draft, else - 1); threshold: a row stops drafting from the
+    exit head when its draft's confidence falls below it (0: never)."""
+
+    exit_layer: int | None
+    exit_index: int | None
     num_tokens: int
     schedule: str = "constant"
     threshold: float = 0.0
+    lookup_tokens: int = 0
+    ngram_size: int = 2
+
+    @property
+    def mode(self) -> str:
+        names = ["assistant_early_exit"] if self.exit_layer is not None else []
+        return " and ".join(f"`{n}`" for n in names + (["prompt_lookup_num_tokens"] if self.lookup_tokens else []))
 
 
-def resolve_speculative_settings(model, generation_config) -> SpeculativeSettings:
-    """Settings from a prepared `GenerationConfig` (transformers' defaults filled in). Raises a `ValueError` naming
-    the argument, the bad value and the allowed values, or what the mode cannot do."""
-    config = model.config
-    exits = list(config.exit_layers or [])
-    value = generation_config.assistant_early_exit
+def _positive_int(generation_config, name, default=None):
+    value = getattr(generation_config, name, None)
+    value = default if value is None else value
+    if not _is_int(value) or value < 1:
+        raise ValueError(f"`{name}` must be an integer >= 1, got {value!r}.")
+    return value
+
+
+def _resolve_exit_draft(model, value):
+    """(E, its index in `config.exit_layers`) of `assistant_early_exit=value`, or (None, None) for None."""
+    if value is None:
+        return None, None
+    exits = list(model.config.exit_layers or [])
     if not _is_int(value) or value - 1 not in exits:
         raise ValueError(
             f"`assistant_early_exit` is the number of decoder layers that draft and must end at an exit "
             f"of this model: allowed values are {[e + 1 for e in exits]} (the exits after 0-based layers "
             f"{exits}), got {value!r}."
         )
-    num_tokens = generation_config.num_assistant_tokens
-    if not _is_int(num_tokens) or num_tokens < 1:
-        raise ValueError(f"`num_assistant_tokens` must be an integer >= 1, got {num_tokens!r}.")
+    return value - 1, exits.index(value - 1)
+
+
+def _refuse_unsupported(model, generation_config, mode):
+    config = model.config
+    if (generation_config.num_beams or 1) > 1:
+        raise ValueError(
+            f"{mode} does not support beam search (`num_beams={generation_config.num_beams}`); use greedy or "
+            "sampling (`num_beams=1`)."
+        )
+    for name in ("output_hidden_states", "output_attentions"):
+        if getattr(generation_config, name, False):
+            raise ValueError(
+                f"`{name}=True` is not available with {mode}: tokens are computed in drafts and verification "
+                "passes, not one forward per token. Pass `output_hidden_states=False`, `output_attentions=False`."
+            )
+    sliding = any(model.family.layer_type(config, j) == "sliding_attention" for j in range(config.num_hidden_layers))
+    if sliding and generation_config.max_length > config.sliding_window:
+        raise ValueError(
+            f"{mode} with sliding-window attention needs the whole generation inside the "
+            f"window: `max_length`={generation_config.max_length} > `sliding_window`="
+            f"{config.sliding_window} (rows of a batch keep gaps in the cache, and a window counted in "
+            "cache slots would see other tokens than plain generate)."
+        )
+
+
+def resolve_speculative_settings(model, generation_config) -> SpeculativeSettings:
+    """Settings from a prepared `GenerationConfig` (transformers' defaults filled in). Raises a `ValueError` naming
+    the argument, the bad value and the allowed values, or what the mode cannot do."""
+    exit_layer, exit_index = _resolve_exit_draft(model, generation_config.assistant_early_exit)
+    lookup = generation_config.prompt_lookup_num_tokens
+    lookup = 0 if lookup is None else _positive_int(generation_config, "prompt_lookup_num_tokens")
+    ngram = _positive_int(generation_config, "max_matching_ngram_size", default=2)  # transformers' default
+    num_tokens = _positive_int(generation_config, "num_assistant_tokens")
     schedule = generation_config.num_assistant_tokens_schedule
     if schedule not in SCHEDULES:
         raise ValueError(f"`num_assistant_tokens_schedule` must be one of {list(SCHEDULES)}, got {schedule!r}.")
@@ -132,27 +177,19 @@ def resolve_speculative_settings(model, generation_config) -> SpeculativeSetting
     threshold = 0.0 if threshold is None else threshold
     if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 <= threshold <= 1.0:
         raise ValueError(f"`assistant_confidence_threshold` must be a float in [0, 1], got {threshold!r}.")
-    if (generation_config.num_beams or 1) > 1:
-        raise ValueError(
-            f"`assistant_early_exit` does not support beam search (`num_beams="
-            f"{generation_config.num_beams}`); use greedy or sampling."
-        )
-    for name in ("output_hidden_states", "output_attentions"):
-        if getattr(generation_config, name, False):
-            raise ValueError(
-                f"`{name}=True` is not available with `assistant_early_exit`: tokens are computed in "
-                "drafts and verification passes, not one forward per token."
-            )
-    sliding = any(model.family.layer_type(config, j) == "sliding_attention" for j in range(config.num_hidden_layers))
-    if sliding and generation_config.max_length > config.sliding_window:
-        raise ValueError(
-            f"`assistant_early_exit` with sliding-window attention needs the whole generation inside the "
-            f"window: `max_length`={generation_config.max_length} > `sliding_window`="
-            f"{config.sliding_window} (rows of a batch keep gaps in the cache, and a window counted in "
-            "cache slots would see other tokens than plain generate)."
-        )
-    schedule = "heuristic" if schedule.startswith("heuristic") else schedule  # K never outlives the call here
-    return SpeculativeSettings(value - 1, exits.index(value - 1), num_tokens, schedule, float(threshold))
+    settings = SpeculativeSettings(
+        exit_layer,
+        exit_index,
+        num_tokens,
+        "heuristic" if schedule.startswith("heuristic") else schedule,
+        float(threshold),
+        lookup,
+        ngram,
+    )  # a heuristic K never outlives the call here
+    if not settings.mode:
+        raise ValueError("Speculative decoding needs `assistant_early_exit` or `prompt_lookup_num_tokens`.")
+    _refuse_unsupported(model, generation_config, settings.mode)
+    return settings
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -187,6 +224,7 @@ class RaggedBatch:
         self.length = torch.full((batch,), prompt, dtype=torch.long, device=device)
         self.slots = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         self.positions = self.slots.sum(-1)
+        self.first = prompt - self.positions  # each row's first real token (rows are left-padded)
         self.gapless = bool(self.slots.all())
         self.stopped = torch.zeros(batch, dtype=torch.bool, device=device)
         self.stop_at = torch.full((batch,), max_length, dtype=torch.long, device=device)
@@ -318,6 +356,38 @@ class RaggedBatch:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# context drafts (prompt lookup)
+# ---------------------------------------------------------------------------------------------------------------------
+def context_drafts(batch, budget, ngram_size):
+    """Drafts copied from each row's own text (prompt + generated): the tokens that followed an earlier occurrence of
+    the row's last g tokens, for the largest g <= `ngram_size` that occurs, at most `budget[r]` of them (the latest
+    occurrence followed by `budget[r]` tokens, else the earliest, whose continuation is the longest).
+    Returns (drafts `(B, max budget)`, counts `(B,)`; 0 where the row's text offers no match)."""
+    width, size = int(batch.length.max()), int(budget.max())
+    tokens, length, device = batch.tokens, batch.length, batch.length.device
+    drafts = tokens.new_zeros(batch.batch_size, size)
+    counts = torch.zeros_like(length)
+    if size == 0:
+        return drafts, counts
+    for g in range(min(ngram_size, width - 1), 0, -1):
+        tail = tokens.gather(1, (length[:, None] - g + torch.arange(g, device=device)).clamp_min(0))  # (B, g)
+        hit = (tokens[:, :width].unfold(1, g, 1) == tail[:, None]).all(-1)  # (B, width - g + 1): window at s
+        start = torch.arange(hit.shape[1], device=device)
+        # inside the row, and followed by at least one token of it (the tail itself is not a match)
+        hit &= (start >= batch.first[:, None]) & (start + g < length[:, None]) & (counts == 0)[:, None]
+        # the latest match followed by a whole budget of tokens, else the earliest (the longest continuation)
+        whole = hit & (start + g + budget[:, None] <= length[:, None])
+        latest = torch.where(whole, start, -1).amax(-1)
+        earliest = torch.where(hit, start, hit.shape[1]).amin(-1)
+        found = hit.any(-1)
+        at = torch.where(latest >= 0, latest, earliest) + g  # the first token after the match
+        index = (at[:, None] + torch.arange(size, device=device)).clamp(0, tokens.shape[1] - 1)
+        drafts = torch.where(found[:, None], tokens.gather(1, index), drafts)
+        counts = torch.where(found, torch.minimum(length - at, budget), counts)
+    return drafts, counts
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # the steps
 # ---------------------------------------------------------------------------------------------------------------------
 def prefill(model, input_ids, attention_mask, position_ids, cache):
@@ -372,23 +442,29 @@ def verify(model, exit_layer, states, batch, cache):
         return fam.head_logits(model, fam.final_norm(model)(h)).float()
 
 
-def accept_greedy(scores, drafts):
-    """`scores` `(B, k+1, V)`: the full model's at the fed positions; `drafts` `(B, k)`. Returns (accepted `(B,)`,
-    next `(B,)`): the longest prefix of drafts equal to the full model's argmax, and its own token after it."""
+def accept_greedy(scores, drafts, valid=None):
+    """`scores` `(B, k+1, V)`: the full model's at the fed positions; `drafts` `(B, k)`; `valid` `(B, k)`: which are
+    drafts (None: all; the others are fillers, never accepted). Returns (accepted `(B,)`, next `(B,)`): the longest
+    prefix of drafts equal to the full model's argmax, and its own token after it."""
     target = scores.argmax(-1)  # (B, k+1)
-    accepted = (drafts == target[:, :-1]).long().cumprod(-1).sum(-1)
+    same = drafts == target[:, :-1]
+    accepted = (same if valid is None else same & valid).long().cumprod(-1).sum(-1)
     return accepted, target.gather(1, accepted[:, None]).squeeze(1)
 
 
-def accept_sampled(p, q, drafts):
+def accept_sampled(p, q, drafts, valid=None):
     """Speculative sampling. `p` `(B, k+1, V)`: the full model's probabilities at the fed positions; `q` `(B, k, V)`:
     the draft head's, from which `drafts` `(B, k)` were drawn. Draft i is kept with probability min(1, p_i(d) /
     q_i(d)) while all before it were; at the first rejection the token is drawn from max(p - q, 0) normalised, after
-    k kept drafts from p. The tokens are then distributed exactly as under p. Returns (accepted `(B,)`, next `(B,)`)."""
+    k kept drafts from p. The tokens are then distributed exactly as under p. A context draft is a point mass (q
+    one-hot: kept with probability p(d), else the token comes from p without d); `valid` `(B, k)` marks fillers
+    (False), which are never kept and must have q = 0. Returns (accepted `(B,)`, next `(B,)`)."""
     k = drafts.shape[1]
     index = drafts[..., None]
     p_draft, q_draft = p[:, :k].gather(-1, index).squeeze(-1), q.gather(-1, index).squeeze(-1)
     kept = torch.rand_like(q_draft) * q_draft <= p_draft  # u <= p / q without dividing; q(d) > 0 as d was drawn
+    if valid is not None:
+        kept &= valid
     accepted = kept.long().cumprod(-1).sum(-1)
     rows = torch.arange(p.shape[0], device=p.device)
     p_next = p[rows, accepted]
@@ -407,7 +483,8 @@ class GenerateSpeculativeOutput(GenerateEarlyExitOutput):
     """`GenerateEarlyExitOutput` of self-speculative decoding (every token is decided by the final head, so
     `exit_layers` is `num_hidden_layers - 1` for every token, -1 after a row's end), plus per row `(batch,)`:
     `draft_tokens` (drafts verified for the row), `accepted_tokens` (those it kept), `verify_rounds` (rounds it took
-    part in); and `draft_lengths` `(rounds,)`: the drafts of each round (batch-wide). A round gives a row its accepted
+    part in), `context_draft_tokens` / `context_accepted_tokens` (the share of those two copied from the context); and
+    `draft_lengths` `(rounds,)`: the positions drafted in each round (batch-wide). A round gives a row its accepted
     drafts plus one token of the full model, unless a stop comes first.
 
     `scores` / `logits`: per generated token, the full model's processed / raw scores (zeros after a row's end, where
@@ -418,6 +495,8 @@ class GenerateSpeculativeOutput(GenerateEarlyExitOutput):
     accepted_tokens: torch.LongTensor | None = None
     verify_rounds: torch.LongTensor | None = None
     draft_lengths: torch.LongTensor | None = None
+    context_draft_tokens: torch.LongTensor | None = None
+    context_accepted_tokens: torch.LongTensor | None = None
 
     @property
     def acceptance_rate(self) -> torch.Tensor:
@@ -448,6 +527,108 @@ def _record(buffer, values, before, counts):
     buffer[r, before[r] + j] = values[r, j]
 
 
+@dataclass
+class _Round:
+    """What one round fed and drafted. states: `(B, k+1, D)` the residual entering verification (leaving layer
+    `start`; -1: the embeddings); drafts / valid: `(B, k)` the drafted tokens and which of them are drafts (not
+    fillers); q: `(B, k, V)` the draft distributions (sampling only); context: `(B,)` leading drafts from the
+    context."""
+
+    start: int
+    states: torch.Tensor
+    drafts: torch.Tensor
+    valid: torch.Tensor | None
+    q: torch.Tensor | None
+    context: torch.Tensor
+
+
+def _point_mass(drafts, valid, vocab_size):
+    """`(B, k, V)` one-hot draft distributions of copied drafts, zero at fillers."""
+    q = nn.functional.one_hot(drafts, vocab_size).float()
+    return q if valid is None else q * valid[..., None]
+
+
+def _context_round(model, batch, drafts, counts, k, sample):
+    """Every row's last token and its k context drafts (fillers after its own) run through no layer here: their
+    embeddings are verified from layer 0, all k+1 positions in one forward."""
+    fed = torch.cat([batch.last_tokens()[:, None], drafts[:, :k]], dim=1)
+    states = model.family.embed(model, fed, batch.position_ids(0, k + 1))
+    valid = torch.arange(k, device=counts.device) < counts[:, None]
+    for i in range(k):
+        batch.write_draft(i, drafts[:, i])
+    q = _point_mass(drafts[:, :k], valid, model.config.vocab_size) if sample else None
+    return _Round(-1, states, drafts[:, :k], valid, q, counts)
+
+
+def _exit_round(model, settings, batch, cache, k, drafting, context, counts, logits_processor, sample, budget):
+    """Each fed token runs layers 0..E once (its K/V kept, its state leaving E kept for verification); a row drafts
+    its context tokens first, then exit head E's. Drafting stops after k drafts, or once no row is still drafting
+    (confidence below the threshold, or its budget spent)."""
+    token, states, drafts, q = batch.last_tokens(), [], [], []
+    adaptive = settings.threshold > 0 or settings.schedule != "constant"
+    for i in range(k + 1):
+        states.append(draft_step(model, settings.exit_layer, token, batch, cache, i))
+        if i == k:
+            break  # the last draft only needed its state for verification
+        draft_logits, learned = draft_head(model, settings, states[-1][:, -1])
+        draft_scores = batch.process(logits_processor, draft_logits[:, None], i)[:, 0]
+        probs = draft_scores.softmax(-1) if sample or (adaptive and learned is None) else None
+        token = torch.multinomial(probs, 1).squeeze(1) if sample else draft_scores.argmax(-1)
+        copied = i < counts
+        if bool(copied.any()):
+            token = torch.where(copied, context[:, i], token)
+            probs = (
+                None
+                if probs is None
+                else torch.where(copied[:, None], _point_mass(token, None, probs.shape[-1]), probs)
+            )
+        drafts.append(token)
+        if sample:
+            q.append(probs)
+        batch.write_draft(i, token)
+        if adaptive:
+            confidence = learned if learned is not None else probs.max(-1).values
+            drafting &= (budget > i + 1) & (confidence >= settings.threshold) | (i + 1 < counts)
+            if not bool(drafting.any()):
+                k = i + 1
+    drafts = torch.stack(drafts, 1) if drafts else batch.tokens.new_zeros(batch.batch_size, 0)
+    q = (torch.stack(q, 1) if q else None) if sample else None
+    return _Round(settings.exit_layer, torch.cat(states, dim=1), drafts, None, q, counts.clamp(max=k))
+
+
+def _plan(settings, batch, active, budgets, capacity, cache):
+    """This round's drafts: (context drafts, their counts, k, whether the exit head drafts) for the active rows."""
+    room = (batch.max_length - batch.length - 1).clamp_min(0) * active  # drafts beyond it could never be committed
+    if settings.lookup_tokens:
+        context, counts = context_drafts(batch, torch.minimum(budgets["context"], room), settings.ngram_size)
+    else:
+        context, counts = batch.tokens.new_zeros(batch.batch_size, 0), torch.zeros_like(room)
+    use_exit = settings.exit_layer is not None and bool((active & (counts == 0)).any())
+    k = int(counts.max())
+    if use_exit:
+        k = max(k, min(int(budgets["exit"][active].max()), int(room.max())))
+    if batch.wants_compaction(capacity, k + 1, active):
+        batch.compact(cache, active)
+    if capacity > 0:
+        k = max(min(k, capacity - batch.slots.shape[1] - 1), 0)
+    return context, counts.clamp(max=k), k, use_exit
+
+
+def _draft(model, settings, batch, cache, active, budgets, capacity, logits_processor, sample):
+    context, counts, k, use_exit = _plan(settings, batch, active, budgets, capacity, cache)
+    if not use_exit:
+        return _context_round(model, batch, context, counts, k, sample)
+    return _exit_round(
+        model, settings, batch, cache, k, active.clone(), context, counts, logits_processor, sample, budgets["exit"]
+    )
+
+
+def _grow(budget, accepted, drafted, rows, steps):
+    """transformers' heuristic schedule, per row: all drafts kept -> budget + 2, else budget - 1 (at least 1)."""
+    grown = torch.where(accepted >= drafted, budget + 2, (budget - 1).clamp_min(1)).clamp_max(steps)
+    return torch.where(rows, grown, budget)
+
+
 def speculative_generate(
     model,
     input_ids,
@@ -458,31 +639,30 @@ def speculative_generate(
     spec_streamer=None,
     **model_kwargs,
 ):
-    """The decoding loop of `generate(assistant_early_exit=...)` (passed as `custom_generate`): prefill at full depth,
-    then rounds of draft, verify, accept, commit until every row has stopped."""
+    """The decoding loop of `generate(assistant_early_exit=... and / or prompt_lookup_num_tokens=...)` (passed as
+    `custom_generate`): prefill at full depth, then rounds of draft, verify, accept, commit until every row has
+    stopped."""
     settings = resolve_speculative_settings(model, generation_config)
+    mode = settings.mode
     if synced_gpus:
         raise ValueError(
-            "`assistant_early_exit` does not support `synced_gpus`: rows finish after different numbers "
-            "of rounds, which peers would have to match."
+            f"{mode} does not support `synced_gpus`: rows finish after different numbers of rounds, which peers "
+            "would have to match."
         )
     cache = model_kwargs.get("cache")
     if not model_kwargs.get("use_cache", True) or cache is None:
-        raise ValueError("`assistant_early_exit` needs a KV cache: call generate with `use_cache=True`.")
+        raise ValueError(f"{mode} needs a KV cache: call generate with `use_cache=True`.")
     if cache.get_seq_length() > 0:
-        raise ValueError("`assistant_early_exit` starts from an empty cache; pass no `cache` holding a prefix.")
+        raise ValueError(f"{mode} starts from an empty cache; pass no `cache` holding a prefix.")
     if not cache.is_croppable:
-        raise ValueError(
-            f"`assistant_early_exit` needs a cache whose rejected slots can be cropped; "
-            f"{type(cache).__name__} cannot be."
-        )
+        raise ValueError(f"{mode} needs a cache whose rejected slots can be cropped; {type(cache).__name__} cannot be.")
     if spec_streamer is not None and input_ids.shape[0] > 1:
         raise ValueError(
-            "A streamer takes one row's tokens; with `assistant_early_exit` rows of a batch advance by "
-            "different amounts, so stream at batch size 1."
+            f"A streamer takes one row's tokens; with {mode} rows of a batch advance by different amounts, so "
+            "stream at batch size 1."
         )
     sample = generation_config.do_sample
-    exit_layer, num_layers = settings.exit_layer, model.config.num_hidden_layers
+    num_layers = model.config.num_hidden_layers
     pad = generation_config._pad_token_tensor
     max_length = min(
         [generation_config.max_length] + [c.max_length for c in stopping_criteria if isinstance(c, MaxLengthCriteria)]
@@ -522,50 +702,27 @@ def speculative_generate(
     if spec_streamer is not None:
         spec_streamer.put(batch.last_tokens().cpu())
 
-    drafted, accepted_total, rounds = (torch.zeros(size, dtype=torch.long, device=device) for _ in range(3))
+    stats = {
+        n: torch.zeros(size, dtype=torch.long, device=device) for n in ("drafted", "accepted", "rounds", "cd", "ca")
+    }
     draft_lengths = []
-    row_budget = torch.full((size,), settings.num_tokens, dtype=torch.long, device=device)  # per-row K (heuristic)
-    adaptive = settings.threshold > 0 or settings.schedule != "constant"
+    budgets = {  # per row: the most drafts of each source (heuristic schedule)
+        "exit": torch.full((size,), settings.num_tokens, dtype=torch.long, device=device),
+        "context": torch.full((size,), settings.lookup_tokens, dtype=torch.long, device=device),
+    }
     capacity = _capacity(cache)
     while bool((active := batch.active).any()):
-        room = int((max_length - batch.length)[active].max()) - 1  # drafts beyond it could never be committed
-        k = min(int(row_budget[active].max()), room)
-        if batch.wants_compaction(capacity, k + 1, active):
-            batch.compact(cache, active)
-        if capacity > 0:
-            k = min(k, capacity - batch.slots.shape[1] - 1)
-
-        # draft: up to k tokens; each fed token runs layers 0..E once, its state leaving E kept for verification
-        token, states, drafts, q = batch.last_tokens(), [], [], []
-        drafting = active.clone()  # rows that still want drafts this round
-        for i in range(k + 1):
-            states.append(draft_step(model, exit_layer, token, batch, cache, i))
-            if i == k:
-                break  # the last draft only needed its state for verification
-            draft_logits, learned = draft_head(model, settings, states[-1][:, -1])
-            draft_scores = batch.process(logits_processor, draft_logits[:, None], i)[:, 0]
-            probs = draft_scores.softmax(-1) if sample or (adaptive and learned is None) else None
-            token = torch.multinomial(probs, 1).squeeze(1) if sample else draft_scores.argmax(-1)
-            drafts.append(token)
-            if sample:
-                q.append(probs)
-            batch.write_draft(i, token)
-            if adaptive:
-                confidence = learned if learned is not None else probs.max(-1).values
-                drafting &= (row_budget > i + 1) & (confidence >= settings.threshold)
-                if not bool(drafting.any()):
-                    k = i + 1
-
-        logits = verify(model, exit_layer, torch.cat(states, dim=1), batch, cache)  # (B, k+1, V)
+        r = _draft(model, settings, batch, cache, active, budgets, capacity, logits_processor, sample)
+        k = r.drafts.shape[1]
+        logits = verify(model, r.start, r.states, batch, cache)  # (B, k+1, V)
         with record_function("ee::accept"):
             scores = batch.process(logits_processor, logits, 0)
-            drafts = torch.stack(drafts, 1) if drafts else batch.tokens.new_zeros(size, 0)
             if sample:
-                q = torch.stack(q, 1) if q else scores.new_zeros(size, 0, scores.shape[-1])
-                accepted, following = accept_sampled(scores.softmax(-1), q, drafts)
+                q = r.q if r.q is not None else scores.new_zeros(size, 0, scores.shape[-1])
+                accepted, following = accept_sampled(scores.softmax(-1), q, r.drafts, r.valid)
             else:
-                accepted, following = accept_greedy(scores, drafts)
-            new = torch.cat([drafts, following[:, None]], dim=1).scatter(1, accepted[:, None], following[:, None])
+                accepted, following = accept_greedy(scores, r.drafts, r.valid)
+            new = torch.cat([r.drafts, following[:, None]], dim=1).scatter(1, accepted[:, None], following[:, None])
             before = batch.length - prompt
             counts = batch.commit(new, accepted + 1, criteria)
             batch.keep(cache, counts, k + 1)
@@ -574,13 +731,18 @@ def speculative_generate(
         if spec_streamer is not None and int(counts[0]):
             spec_streamer.put(new[:, : int(counts[0])].cpu())
 
-        drafted += k * active
-        accepted_total += torch.minimum(accepted, counts) * active
-        rounds += active.long()
+        drafted = (k if r.valid is None else r.valid.sum(-1)) * active
+        kept = torch.minimum(accepted, counts) * active
+        stats["drafted"] += drafted
+        stats["accepted"] += kept
+        stats["rounds"] += active.long()
+        stats["cd"] += r.context * active
+        stats["ca"] += torch.minimum(kept, r.context)
         draft_lengths.append(k)
-        if settings.schedule == "heuristic":  # transformers' rule, per row: all drafts kept -> K + 2, else K - 1
-            grown = torch.where(accepted == k, row_budget + 2, (row_budget - 1).clamp_min(1)).clamp_max(steps)
-            row_budget = torch.where(active, grown, row_budget)
+        if settings.schedule == "heuristic":
+            copied = active & (r.context > 0)
+            budgets["context"] = _grow(budgets["context"], accepted, r.context, copied, steps)
+            budgets["exit"] = _grow(budgets["exit"], accepted, drafted, active & ~copied, steps)
 
     if spec_streamer is not None:
         spec_streamer.end()
@@ -599,10 +761,12 @@ def speculative_generate(
         logits=raw_logits,
         cache=cache,
         exit_layers=exit_layers,
-        draft_tokens=drafted,
-        accepted_tokens=accepted_total,
-        verify_rounds=rounds,
+        draft_tokens=stats["drafted"],
+        accepted_tokens=stats["accepted"],
+        verify_rounds=stats["rounds"],
         draft_lengths=torch.tensor(draft_lengths, dtype=torch.long),
+        context_draft_tokens=stats["cd"],
+        context_accepted_tokens=stats["ca"],
     )
 
 
@@ -613,6 +777,7 @@ __all__ = [
     "SpeculativeSettings",
     "accept_greedy",
     "accept_sampled",
+    "context_drafts",
     "draft_head",
     "draft_step",
     "prefill",

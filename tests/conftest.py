@@ -209,3 +209,19 @@ def cached(layer, kind: str = "keys"):
     if type(layer).__name__.startswith("Static"):
         return tensor[:, :, : min(int(layer.get_seq_length()), tensor.shape[2])]
     return tensor
+
+
+def chi_square_p(a, b, min_count=10):
+    """p-value of a two-sample chi-square test that category samples `a` and `b` come from one distribution (cells
+    with fewer than `min_count` pooled draws merged into one)."""
+    cells = int(torch.cat([a, b]).max()) + 1
+    ca, cb = torch.bincount(a, minlength=cells).double(), torch.bincount(b, minlength=cells).double()
+    rare = (ca + cb) < min_count
+    ca = torch.cat([ca[~rare], ca[rare].sum(0, keepdim=True)])
+    cb = torch.cat([cb[~rare], cb[rare].sum(0, keepdim=True)])
+    seen = (ca + cb) > 0
+    ca, cb = ca[seen], cb[seen]
+    total = ca + cb
+    ea, eb = total * ca.sum() / total.sum(), total * cb.sum() / total.sum()
+    stat = ((ca - ea) ** 2 / ea + (cb - eb) ** 2 / eb).sum()
+    return float(torch.special.gammaincc(torch.tensor((len(total) - 1) / 2, dtype=torch.float64), stat / 2))

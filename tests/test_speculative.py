@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import make_base, padded_batch
+from conftest import chi_square_p, make_base, padded_batch
 from test_generate import Collect, ee_model
 from transformers import StoppingCriteria, StoppingCriteriaList
 
@@ -192,22 +192,6 @@ def test_forced_full_acceptance_accepts_every_draft(base_dirs, cache_implementat
 # --- sampling: the full model's distribution -------------------------------------------------------------------------
 
 
-def _chi_square_p(a, b, min_count=10):
-    """p-value of a two-sample chi-square test that category samples `a` and `b` come from one distribution (cells
-    with fewer than `min_count` pooled draws merged into one)."""
-    cells = int(torch.cat([a, b]).max()) + 1
-    ca, cb = torch.bincount(a, minlength=cells).double(), torch.bincount(b, minlength=cells).double()
-    rare = (ca + cb) < min_count
-    ca = torch.cat([ca[~rare], ca[rare].sum(0, keepdim=True)])
-    cb = torch.cat([cb[~rare], cb[rare].sum(0, keepdim=True)])
-    seen = (ca + cb) > 0
-    ca, cb = ca[seen], cb[seen]
-    total = ca + cb
-    ea, eb = total * ca.sum() / total.sum(), total * cb.sum() / total.sum()
-    stat = ((ca - ea) ** 2 / ea + (cb - eb) ** 2 / eb).sum()
-    return float(torch.special.gammaincc(torch.tensor((len(total) - 1) / 2, dtype=torch.float64), stat / 2))
-
-
 def test_sampling_follows_the_full_models_distribution(tmp_path, monkeypatch):
     vocab, rows = 8, 6000
     base = make_base("llama", vocab_size=vocab, eos_token_id=None, pad_token_id=0, bos_token_id=1)
@@ -232,18 +216,18 @@ def test_sampling_follows_the_full_models_distribution(tmp_path, monkeypatch):
     )
     rate = float(out.acceptance_rate.mean())
     assert 0.2 < rate < 0.95, rate  # drafts are often, not always, rejected: the rule is exercised
-    assert _chi_square_p(plain, pairs(out.sequences)) > 1e-3
+    assert chi_square_p(plain, pairs(out.sequences)) > 1e-3
 
     # the test has the power to see the classic mistake: resampling from p, not max(p - q, 0), after a rejection
     right = spec.accept_sampled
 
-    def from_p_after_rejection(p, q, drafts):
-        accepted, _ = right(p, q, drafts)
+    def from_p_after_rejection(p, q, drafts, valid=None):
+        accepted, _ = right(p, q, drafts, valid)
         return accepted, torch.multinomial(p[torch.arange(p.shape[0]), accepted], 1).squeeze(1)
 
     monkeypatch.setattr(spec, "accept_sampled", from_p_after_rejection)
     wrong = model.generate(ids, assistant_early_exit=1, num_assistant_tokens=2, **NEVER_STOP, **kwargs)
-    assert _chi_square_p(plain, pairs(wrong)) < 1e-6
+    assert chi_square_p(plain, pairs(wrong)) < 1e-6
 
 
 # --- adaptive draft length -------------------------------------------------------------------------------------------
@@ -376,7 +360,6 @@ def test_stored_defaults_and_their_round_trip(base_dirs, tmp_path):
         (dict(assistant_early_exit=1, exit_criterion="max_prob", exit_threshold=0.5), "exit_criterion"),
         (dict(assistant_early_exit=1, exit_threshold=0.5), "exit_threshold"),
         (dict(assistant_early_exit=1, early_exit=False), "early_exit"),
-        (dict(assistant_early_exit=1, prompt_lookup_num_tokens=3), "prompt_lookup_num_tokens"),
         (dict(assistant_early_exit=1, output_hidden_states=True), "output_hidden_states"),
         (dict(assistant_early_exit=1, streamer=Collect()), "streamer"),
     ],

@@ -1,0 +1,279 @@
+"""Issue 20: context drafts (`prompt_lookup_num_tokens`) in our speculative engine, alone and with exit-head drafts, at
+any batch size."""
+
+import pytest
+import torch
+from conftest import chi_square_p, make_base, padded_batch
+
+import ee_transformers as eet
+import ee_transformers.speculative_early_exit as spec
+
+LAYERS = 4  # tiny models: 4 decoder layers; exits after 0, 1, 2
+SOURCES = [  # every source alone and both together
+    dict(prompt_lookup_num_tokens=3),
+    dict(prompt_lookup_num_tokens=10, max_matching_ngram_size=3),
+    dict(prompt_lookup_num_tokens=2, num_assistant_tokens_schedule="heuristic"),
+    dict(
+        prompt_lookup_num_tokens=4, assistant_early_exit=2, num_assistant_tokens=3, assistant_confidence_threshold=0.0
+    ),
+    dict(prompt_lookup_num_tokens=3, assistant_early_exit=1, num_assistant_tokens=2),  # exit drafts stop when unsure
+]
+
+
+@pytest.fixture(scope="module")
+def models(base_dirs):
+    """{family: (early-exit model, base)}, built once per module."""
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            folder, base = base_dirs[family]
+            cache[family] = (eet.from_base(folder, exit_layers=[0, 1, 2]).eval(), base)
+        return cache[family]
+
+    return get
+
+
+def _sliding(base):
+    return getattr(base.config, "sliding_window", None) and getattr(base.config, "use_sliding_window", True)
+
+
+class LayerCalls:
+    """Calls and positions (rows x query tokens) per decoder layer."""
+
+    def __init__(self, model):
+        layers = model.family.layers(model)
+        self.calls, self.positions = [0] * len(layers), [0] * len(layers)
+        self.handles = [
+            layer.register_forward_pre_hook(self._hook(j), with_kwargs=True) for j, layer in enumerate(layers)
+        ]
+
+    def _hook(self, j):
+        def hook(module, args, kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            self.calls[j] += 1
+            self.positions[j] += hidden.shape[0] * hidden.shape[1]
+
+        return hook
+
+    def remove(self):
+        for handle in self.handles:
+            handle.remove()
+
+
+# --- the drafts ------------------------------------------------------------------------------------------------------
+
+
+def _batch(rows, budget):
+    width = max(map(len, rows))
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, row in enumerate(rows):  # left padding
+        ids[r, width - len(row) :], mask[r, width - len(row) :] = torch.tensor(row), 1
+    batch = spec.RaggedBatch(ids, mask, width + 8, pad_mode=False, pad_token_id=0)
+    return batch, torch.full((len(rows),), budget)
+
+
+def test_context_drafts_copy_what_followed_the_longest_matching_ngram():
+    batch, budget = _batch(
+        [
+            [5, 6, 7, 8, 9, 1, 2, 6, 7],  # "6 7" occurred at 1: its continuation 8 9 1
+            [3, 4, 5, 3, 9, 9, 5],  # no "9 5" before; "5" at 2: 3 9 9
+            [2, 3, 4, 5],  # nothing repeats
+            [1, 2, 1, 2, 1, 2],  # "1 2" at 0 and 2: the latest followed by 3 tokens is at 0 (at 2 only 2 follow)
+        ],
+        budget=3,
+    )
+    drafts, counts = spec.context_drafts(batch, budget, ngram_size=2)
+    assert counts.tolist() == [3, 3, 0, 3]
+    assert drafts[0].tolist() == [8, 9, 1] and drafts[1].tolist() == [3, 9, 9] and drafts[3].tolist() == [1, 2, 1]
+    # a longer n-gram wins over a later shorter one, and the budget caps the count per row
+    batch, _ = _batch([[7, 1, 2, 3, 4, 2, 3, 9, 1, 2, 3]], budget=2)
+    drafts, counts = spec.context_drafts(batch, torch.tensor([2]), ngram_size=3)
+    assert counts.tolist() == [2] and drafts[0].tolist() == [4, 2]  # "1 2 3" at 1, not "2 3" at 5
+    # the left pads of a row are not its text
+    batch, _ = _batch([[9, 9, 9, 9], [4, 0, 0]], budget=2)
+    drafts, counts = spec.context_drafts(batch, torch.tensor([2, 2]), ngram_size=1)
+    assert counts.tolist() == [2, 1] and drafts[1, 0].item() == 0  # row 1: "0" at its own position 1, then 0
+
+
+# --- exactness -------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cache_implementation", [None, "static"])
+def test_context_drafts_equal_full_depth_greedy(models, family, cache_implementation):
+    model, base = models(family)
+    ids, mask = padded_batch(batch=3)
+    kwargs = dict(max_new_tokens=20, do_sample=False, cache_implementation=cache_implementation)
+    if _sliding(base):  # the matrix's window (4) is shorter than the generation: refused, not decoded wrongly
+        with pytest.raises(ValueError, match="prompt_lookup_num_tokens.*sliding-window attention"):
+            model.generate(ids, attention_mask=mask, prompt_lookup_num_tokens=3, **kwargs)
+        return
+    expected = base.generate(ids, attention_mask=mask, **kwargs)
+    accepted = 0
+    for source in SOURCES:
+        out = model.generate(ids, attention_mask=mask, return_dict_in_generate=True, **kwargs, **source)
+        assert torch.equal(out.sequences, expected), source
+        assert set(out.exit_layers.unique().tolist()) <= {LAYERS - 1, -1}  # the final head decides (-1: ended)
+        assert (out.context_accepted_tokens <= out.context_draft_tokens).all()
+        assert (out.accepted_tokens <= out.draft_tokens).all()
+        accepted += int(out.context_accepted_tokens.sum())
+    assert accepted > 0  # the random models' text repeats itself: context drafts were accepted somewhere
+
+
+def test_sliding_window_families_inside_the_window(tmp_path):
+    base = make_base("qwen2-sliding", sliding_window=64)
+    base.save_pretrained(tmp_path)
+    model = eet.from_base(tmp_path, exit_layers=[0, 1, 2]).eval()
+    ids, mask = padded_batch(batch=2)
+    for cache_implementation in (None, "static"):
+        kwargs = dict(max_new_tokens=24, do_sample=False, cache_implementation=cache_implementation)
+        expected = base.generate(ids, attention_mask=mask, **kwargs)
+        for source in SOURCES[:1] + SOURCES[3:4]:
+            assert torch.equal(model.generate(ids, attention_mask=mask, **kwargs, **source), expected)
+
+
+def test_a_batch_row_equals_its_prompt_alone_with_eos(models):
+    model, base = models("llama")
+    prompts = [[5, 17, 33, 5, 17], [8, 9, 10, 11, 12, 13, 14], [40, 41], [60, 7, 7, 3, 21]]
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, p in enumerate(prompts):
+        ids[r, width - len(p) :], mask[r, width - len(p) :] = torch.tensor(p), 1
+    free = base.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=24)
+    kwargs = dict(max_new_tokens=24, do_sample=False, eos_token_id=int(free[2, width + 5]), pad_token_id=0)
+    expected = base.generate(ids, attention_mask=mask, **kwargs)
+    for source in (SOURCES[0], SOURCES[3]):
+        out = model.generate(ids, attention_mask=mask, **kwargs, **source)
+        assert torch.equal(out, expected), source
+        for r, p in enumerate(prompts):
+            alone = model.generate(torch.tensor([p]), **kwargs, **source)[0, len(p) :]
+            assert torch.equal(out[r, width:][: alone.numel()], alone), (source, r)
+
+
+# --- what it saves ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_accepted_context_drafts_save_full_steps(models, batch):
+    model, base = models("llama")
+    ids, mask = padded_batch(batch=batch)
+    new = 30
+    counter = LayerCalls(model)
+    try:
+        out = model.generate(
+            ids, attention_mask=mask, max_new_tokens=new, do_sample=False, prompt_lookup_num_tokens=4,
+            return_dict_in_generate=True,
+        )  # fmt: skip
+    finally:
+        counter.remove()
+    assert torch.equal(out.sequences, base.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False))
+    rounds = len(out.draft_lengths)
+    # a context round is ONE forward of every layer over the row's last token and its drafts: prefill + a call a round
+    assert counter.calls == [1 + rounds] * LAYERS
+    assert counter.positions[0] == ids.numel() + batch * sum(k + 1 for k in out.draft_lengths.tolist())
+    # each round gives a row its accepted drafts plus one token, so full-depth forwards saved = drafts accepted
+    if batch == 1:
+        assert int(out.verify_rounds[0]) + int(out.accepted_tokens[0]) == new - 1  # the first token: prefill
+    assert rounds < new - 1 and int(out.context_accepted_tokens.sum()) > 0
+
+
+def test_without_matches_a_round_is_one_plain_step(models):
+    model, base = models("llama")
+    ids = torch.tensor([[3, 4, 5]])
+    counter = LayerCalls(model)
+    try:  # max_new_tokens=2: after the prefill's token no drafts can be committed, so no round drafts
+        out = model.generate(ids, max_new_tokens=2, prompt_lookup_num_tokens=5, return_dict_in_generate=True)
+    finally:
+        counter.remove()
+    assert out.draft_lengths.tolist() == [0] and counter.positions == [3 + 1] * LAYERS
+    assert torch.equal(out.sequences, base.generate(ids, max_new_tokens=2, do_sample=False))
+
+
+# --- sampling --------------------------------------------------------------------------------------------------------
+
+
+def test_sampling_with_context_drafts_follows_the_full_models_distribution(tmp_path, monkeypatch):
+    vocab, rows = 8, 6000
+    base = make_base("llama", vocab_size=vocab, eos_token_id=None, pad_token_id=0, bos_token_id=1)
+    with torch.no_grad():
+        base.lm_head.weight.mul_(6.0)  # peaked distributions: copied drafts are often, not always, right
+    base.save_pretrained(tmp_path)
+    model = eet.from_base(tmp_path, exit_layers=[0, 1, 2]).eval()
+    # the model's own greedy text as the prompt: it repeats itself, so copied drafts are often (not always) sampled
+    ids = base.generate(torch.tensor([[3, 4, 5, 6]]), max_new_tokens=12, do_sample=False).repeat(rows, 1)
+    kwargs = dict(max_new_tokens=3, do_sample=True, temperature=0.9, pad_token_id=0)
+
+    def pairs(out):  # tokens 2 and 3 come from drafts, rejections and bonus tokens; token 1 from the prefill
+        new = out[:, ids.shape[1] :]
+        return new[:, 1] * vocab + new[:, 2]
+
+    torch.manual_seed(0)
+    plain = pairs(model.generate(ids, **kwargs))
+    for source in (dict(prompt_lookup_num_tokens=2, max_matching_ngram_size=1), dict(SOURCES[3], max_new_tokens=3)):
+        out = model.generate(ids, return_dict_in_generate=True, **{**kwargs, **source})
+        rate = float(out.context_accepted_tokens.sum() / out.context_draft_tokens.sum())
+        assert 0.05 < rate < 0.9, rate  # the rule is exercised both ways
+        assert chi_square_p(plain, pairs(out.sequences)) > 1e-3, source
+
+    # the test has the power to see the classic mistake: after a rejected copied draft, drawing from p (d included)
+    right = spec.accept_sampled
+
+    def from_p_after_rejection(p, q, drafts, valid=None):
+        accepted, _ = right(p, q, drafts, valid)
+        return accepted, torch.multinomial(p[torch.arange(p.shape[0]), accepted], 1).squeeze(1)
+
+    monkeypatch.setattr(spec, "accept_sampled", from_p_after_rejection)
+    wrong = model.generate(ids, prompt_lookup_num_tokens=2, max_matching_ngram_size=1, **kwargs)
+    assert chi_square_p(plain, pairs(wrong)) < 1e-6
+
+
+# --- settings --------------------------------------------------------------------------------------------------------
+
+
+def test_stored_prompt_lookup_is_used_by_a_plain_generate_after_reload(models, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model, base = models("llama")
+    model.generation_config.prompt_lookup_num_tokens = 4
+    model.generation_config.max_matching_ngram_size = 3
+    try:
+        model.save_pretrained(tmp_path)
+    finally:
+        model.generation_config.prompt_lookup_num_tokens = None
+        model.generation_config.max_matching_ngram_size = None
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True).eval()
+    assert loaded.generation_config.prompt_lookup_num_tokens == 4
+    ids, mask = padded_batch(batch=2)
+    out = loaded.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, return_dict_in_generate=True)
+    assert int(out.context_draft_tokens.sum()) > 0  # the stored setting was used, at batch 2
+    assert torch.equal(out.sequences, base.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False))
+    off = loaded.generate(ids, attention_mask=mask, max_new_tokens=5, prompt_lookup_num_tokens=None)
+    assert torch.equal(off, base.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(prompt_lookup_num_tokens=0), r"`prompt_lookup_num_tokens` must be an integer >= 1, got 0"),
+        (dict(prompt_lookup_num_tokens=-2), r"`prompt_lookup_num_tokens` must be an integer >= 1, got -2"),
+        (dict(prompt_lookup_num_tokens=2.5), r"`prompt_lookup_num_tokens` must be an integer >= 1, got 2.5"),
+        (dict(prompt_lookup_num_tokens=True), r"`prompt_lookup_num_tokens` must be an integer >= 1, got True"),
+        (dict(prompt_lookup_num_tokens=3, max_matching_ngram_size=0), r"`max_matching_ngram_size` must be"),
+        (dict(prompt_lookup_num_tokens=3, num_beams=2), r"`prompt_lookup_num_tokens` does not support beam search"),
+        (dict(prompt_lookup_num_tokens=3, output_hidden_states=True), r"`output_hidden_states=True` is not available"),
+        (dict(prompt_lookup_num_tokens=3, exit_threshold=0.5), r"cannot be combined with `exit_threshold`"),
+        (dict(prompt_lookup_num_tokens=3, assistant_early_exit=4), r"`assistant_early_exit`.*allowed values"),
+    ],
+)
+def test_bad_context_draft_arguments_raise_before_decoding(models, kwargs, match):
+    model, _ = models("llama")
+    ids, mask = padded_batch(batch=2)
+    counter = LayerCalls(model)
+    try:
+        with pytest.raises(ValueError, match=match):
+            model.generate(ids, attention_mask=mask, max_new_tokens=6, **kwargs)
+    finally:
+        counter.remove()
+    assert counter.calls == [0] * LAYERS  # refused before any decoding
