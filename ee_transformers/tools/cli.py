@@ -40,6 +40,11 @@ SUBCOMMANDS = {
         "main",
         "lossless self-speculative decoding vs plain and transformers' assistant_early_exit",
     ),
+    "bench-lossless": (
+        "ee_transformers.tools.bench.lossless",
+        "main",
+        "lossless decoding (context and exit-head drafts) vs plain and transformers' prompt lookup",
+    ),
     "bench-pool": (
         "ee_transformers.tools.bench_pool",
         "main",

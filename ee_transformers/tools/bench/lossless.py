@@ -1,0 +1,210 @@
+"""`ee-transformers bench-lossless`: lossless decoding modes against plain greedy generate, on the same prompts.
+
+Everything runs in one process on the very same weights. Rows:
+
+* plain: the family's own `...ForCausalLM.generate`, greedy, full depth;
+* transformers' prompt lookup (`prompt_lookup_num_tokens=N`, `max_matching_ngram_size=G`) on that plain model, batch 1
+  only (it refuses more);
+* transformers' `assistant_early_exit=E + 1` on that plain model (batch 1 only), when `--exits` names exits;
+* ours: the early-exit class's `generate` with the same arguments, at every batch size: context drafts
+  (`prompt_lookup_num_tokens`), exit-head drafts (`assistant_early_exit`) and both together.
+
+Timing is paired and interleaved: for every round and every batch the runs go plain, c1, plain, c2, ..., and each
+configuration is timed against the mean of its two neighbouring plain runs (end to end, prefill included, the same in
+both), so drift of a shared machine cancels. A row reports the ratio of summed times over every batch and round
+(`speed-up`) and the median (min-max) of the per-batch ratios; tokens per full-depth forward; and whether every output
+was token for token the plain greedy output (asserted after the report is written).
+
+    ee-transformers bench-lossless --model ~/.cache/ee-transformers/smollm2-135m-instruct --out bench-lossless
+
+Python API: `LosslessConfig`, `lossless_rows`, `run_lossless`, `format_lossless`, `main`.
+"""
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ee_transformers.tools.arguments import (
+    ArgumentParser,
+    InputError,
+    add_config_arguments,
+    check_fields,
+    config_from_args,
+    run_command,
+)
+from ee_transformers.tools.bench.loading import heldout_prompts, load_models, make_batches
+from ee_transformers.tools.bench.timing import greedy_generation_config, without_eos
+
+__all__ = ["LosslessConfig", "format_lossless", "lossless_rows", "main", "run_lossless"]
+
+
+@dataclass
+class LosslessConfig:
+    """Settings of one `bench-lossless` run; `__post_init__` raises `ValueError` naming a bad field."""
+
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 8], metadata={"help": "batch sizes measured", "min": 1})
+    num_prompts: int = field(default=8, metadata={"help": "held-out prompts (windows of text)", "min": 1})
+    prompt_tokens: int = field(default=64, metadata={"help": "tokens per prompt", "min": 1})
+    new_tokens: int = field(default=64, metadata={"help": "greedy tokens generated per run", "min": 1})
+    rounds: int = field(default=2, metadata={"help": "rounds of every paired comparison", "min": 1})
+    lookup: list[str] = field(
+        default_factory=lambda: ["10:2", "4:3", "6:3"],
+        metadata={"help": "context-draft settings N:G (prompt_lookup_num_tokens:max_matching_ngram_size)"},
+    )
+    exits: list[int] | None = field(
+        default=None,
+        metadata={"help": "assistant_early_exit values (layers that draft) for exit-head rows (default: none)"},
+    )
+    num_assistant_tokens: int = field(default=4, metadata={"help": "exit-head drafts per round", "min": 1})
+    threads: int = field(default=2, metadata={"help": "torch threads", "min": 1})
+    seed: int = field(default=0, metadata={"help": "seed of the prompts"})
+
+    def __post_init__(self):
+        check_fields(self)
+        for value in self.lookup:
+            parts = value.split(":")
+            if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+                raise ValueError(f"`lookup` takes N:G pairs of positive integers, e.g. 10:2, got {value!r}.")
+
+    def lookup_settings(self) -> list[dict]:
+        return [
+            dict(prompt_lookup_num_tokens=int(n), max_matching_ngram_size=int(g))
+            for n, g in (v.split(":") for v in self.lookup)
+        ]
+
+
+def lossless_rows(config: LosslessConfig) -> list[dict]:
+    """[{"name", "who" ("transformers" / "ours"), "kwargs", "batch_1_only"}] in the order they are timed."""
+    rows = []
+    for setting in config.lookup_settings():
+        n, g = setting["prompt_lookup_num_tokens"], setting["max_matching_ngram_size"]
+        rows.append(dict(name=f"prompt lookup N={n} G={g}", who="transformers", kwargs=setting, batch_1_only=True))
+        rows.append(dict(name=f"prompt lookup N={n} G={g}", who="ours", kwargs=setting, batch_1_only=False))
+    for e in config.exits or []:
+        exit_draft = dict(assistant_early_exit=e, num_assistant_tokens=config.num_assistant_tokens)
+        rows.append(dict(name=f"exit drafts @{e}", who="transformers", kwargs=exit_draft, batch_1_only=True))
+        rows.append(dict(name=f"exit drafts @{e}", who="ours", kwargs=exit_draft, batch_1_only=False))
+        both = {**config.lookup_settings()[0], **exit_draft}
+        rows.append(dict(name=f"context + exit drafts @{e}", who="ours", kwargs=both, batch_1_only=False))
+    return rows
+
+
+def _timed(model, ids, mask, generation_config, kwargs):
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, generation_config=generation_config, **kwargs)
+    return time.perf_counter() - start, out
+
+
+def _forwards(out, new_tokens):
+    """Full-depth forwards after the prefill: a round each for ours; one per token for transformers' and plain."""
+    rounds = getattr(out, "draft_lengths", None)
+    return len(rounds) if rounds is not None else new_tokens - 1
+
+
+def run_lossless(ee, plain, tokenizer, config: LosslessConfig, log=print) -> dict:
+    """Times every row against plain on the same batches; returns {"config", "results": [...]}."""
+    torch.set_num_threads(config.threads)
+    prompts = heldout_prompts(tokenizer, num_prompts=config.num_prompts, window=config.prompt_tokens, seed=config.seed)
+    results = []
+    with without_eos(ee, plain):
+        generation_config = greedy_generation_config(plain, config.new_tokens, clear_exit_settings=True)
+        for batch_size in config.batch_sizes:
+            batches = make_batches(prompts, batch_size, max_batches=max(1, config.num_prompts // batch_size))
+            rows = [r for r in lossless_rows(config) if batch_size == 1 or not r["batch_1_only"]]
+            reference = {}
+            for ids, mask, _ in batches:  # warm-up, and the reference output
+                reference[id(ids)] = _timed(plain, ids, mask, generation_config, {})[1].sequences
+            for row in rows:  # warm-up of every row
+                model = ee if row["who"] == "ours" else plain
+                _timed(model, *batches[0][:2], generation_config, row["kwargs"])
+            times = {i: [] for i in range(len(rows))}
+            plain_times = {i: [] for i in range(len(rows))}
+            identical = {i: True for i in range(len(rows))}
+            forwards = {i: [] for i in range(len(rows))}
+            for round_ in range(config.rounds):
+                order = list(range(len(rows)))[:: 1 if round_ % 2 == 0 else -1]
+                for ids, mask, _ in batches:
+                    before, _ = _timed(plain, ids, mask, generation_config, {})
+                    for i in order:
+                        model = ee if rows[i]["who"] == "ours" else plain
+                        seconds, out = _timed(model, ids, mask, generation_config, rows[i]["kwargs"])
+                        after, _ = _timed(plain, ids, mask, generation_config, {})
+                        times[i].append(seconds)
+                        plain_times[i].append((before + after) / 2)
+                        identical[i] &= torch.equal(out.sequences, reference[id(ids)])
+                        forwards[i].append(_forwards(out, config.new_tokens))
+                        before = after
+                log(f"  batch {batch_size}: round {round_ + 1}/{config.rounds} done")
+            for i, row in enumerate(rows):
+                ratios = [p / t for p, t in zip(plain_times[i], times[i])]
+                results.append(
+                    dict(
+                        name=row["name"],
+                        who=row["who"],
+                        batch_size=batch_size,
+                        kwargs=row["kwargs"],
+                        speedup=sum(plain_times[i]) / sum(times[i]),
+                        median=statistics.median(ratios),
+                        low=min(ratios),
+                        high=max(ratios),
+                        tokens_per_forward=(config.new_tokens - 1) / statistics.mean(forwards[i]),
+                        identical=identical[i],
+                        plain_ms_per_token=1000 * statistics.mean(plain_times[i]) / config.new_tokens,
+                    )
+                )
+    return {"config": asdict(config), "results": results}
+
+
+def format_lossless(report: dict) -> str:
+    lines = [
+        "| batch | mode | who | speed-up (sum) | median (min-max) | tokens / full forward | identical |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in report["results"]:
+        lines.append(
+            f"| {r['batch_size']} | {r['name']} | {r['who']} | **{r['speedup']:.2f}x** | {r['median']:.2f}x "
+            f"({r['low']:.2f}-{r['high']:.2f}) | {r['tokens_per_forward']:.2f} | {'yes' if r['identical'] else 'NO'} |"
+        )
+    plain = {r["batch_size"]: r["plain_ms_per_token"] for r in report["results"]}
+    lines.append("")
+    lines.append("plain: " + ", ".join(f"batch {b}: {ms:.1f} ms per step" for b, ms in plain.items()))
+    return "\n".join(lines)
+
+
+def _run(args):
+    from transformers import AutoTokenizer
+
+    config = config_from_args(LosslessConfig, args)
+    if not Path(args.model).is_dir():
+        raise InputError(f"`--model` must be a model folder, got {args.model!r}.")
+    exit_layers = sorted({e - 1 for e in config.exits or []}) or [0]
+    ee, plain = load_models(args.model, exit_layers=exit_layers)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    report = run_lossless(ee, plain, tokenizer, config)
+    table = format_lossless(report)
+    print(table)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "lossless.json").write_text(json.dumps(report, indent=2))
+        (out / "lossless.md").write_text(table + "\n")
+    wrong = [f"{r['who']} {r['name']} at batch {r['batch_size']}" for r in report["results"] if not r["identical"]]
+    if wrong:
+        raise AssertionError("not identical to plain greedy: " + "; ".join(wrong))
+
+
+def main(argv=None):
+    parser = ArgumentParser(
+        prog="ee-transformers bench-lossless",
+        description="Lossless decoding (context drafts, exit-head drafts) against plain greedy generate and "
+        "transformers' prompt lookup, on the same prompts.",
+    )
+    parser.add_argument("--model", required=True, help="a plain or early-exit model folder")
+    parser.add_argument("--out", default=None, help="folder for lossless.json and lossless.md")
+    add_config_arguments(parser, LosslessConfig)
+    return run_command(parser, _run, argv)
