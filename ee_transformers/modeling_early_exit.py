@@ -8,6 +8,7 @@ Part of the Hub runtime: imports only torch, transformers and its siblings (flat
 copies these files next to the weights and `trust_remote_code=True` loads them without this package.
 """
 
+import json
 import os
 from dataclasses import dataclass
 
@@ -38,7 +39,7 @@ from transformers import (
 from transformers import initialization as init
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
-from transformers.utils import logging
+from transformers.utils import GENERATION_CONFIG_NAME, logging
 from transformers.utils.deprecation import deprecate_kwarg
 
 from .configuration_early_exit import (
@@ -139,6 +140,26 @@ class ExitHeadsMixin:
         super()._adjust_missing_and_unexpected_keys(loading_info)
 
 
+def _keep_exit_settings_on_reload(generation_config: GenerationConfig) -> None:
+    """Clears the `_from_model_config` mark of a generation config that holds exit settings: transformers reads a
+    file so marked without its custom entries (`GenerationConfig.__init__`), so the settings would be lost."""
+    if any(getattr(generation_config, name, None) is not None for name in EXIT_ARGUMENTS):
+        generation_config._from_model_config = False
+
+
+def _exit_settings_dropped_on_load(model, folder: str) -> dict:
+    """The exit settings of a local `folder`'s generation_config.json that transformers did not load because the file
+    carries `"_from_model_config": true` (written by versions before `_keep_exit_settings_on_reload` ran on save)."""
+    path = os.path.join(folder, GENERATION_CONFIG_NAME)
+    if not (
+        model.generation_config is not None and model.generation_config._from_model_config and os.path.isfile(path)
+    ):
+        return {}
+    with open(path, encoding="utf-8") as file:
+        stored = json.load(file)
+    return {name: stored[name] for name in EXIT_ARGUMENTS if stored.get(name) is not None}
+
+
 class EarlyExitMixin(ExitHeadsMixin):
     """The early-exit causal LM shared by every family. Mixed in before the family's `...ForCausalLM`.
 
@@ -203,8 +224,11 @@ class EarlyExitMixin(ExitHeadsMixin):
             legacy.get("exit_criterion") or legacy.get("exit_threshold") is not None or legacy.get("exit_patience")
         ):
             legacy = {}  # the first wave stored policy/kv defaults even with exits off
-        model.set_exit_defaults(**{**legacy, **settings})
         path = str(pretrained_model_name_or_path)
+        dropped = {}
+        if kwargs.get("generation_config") is None:  # else the passed config replaced the file
+            dropped = _exit_settings_dropped_on_load(model, os.path.join(path, kwargs.get("subfolder") or ""))
+        model.set_exit_defaults(**{**legacy, **dropped, **settings})
         if (
             model.tokenizer is None
             and os.path.isdir(path)
@@ -230,9 +254,7 @@ class EarlyExitMixin(ExitHeadsMixin):
         resolve_exit_settings(self.config, values)  # raises on a bad value or combination
         for name, value in settings.items():
             setattr(self.generation_config, name, value)
-        if any(getattr(self.generation_config, name, None) is not None for name in EXIT_ARGUMENTS):
-            # a file marked "from the model config" is reloaded without its custom entries
-            self.generation_config._from_model_config = False
+        _keep_exit_settings_on_reload(self.generation_config)
 
     @property
     def exit_defaults(self) -> dict:
@@ -253,6 +275,8 @@ class EarlyExitMixin(ExitHeadsMixin):
             auto_map = dict(getattr(self.config, "auto_map", None) or {})
             auto_map["AutoModel"] = f"{type(self).__module__.split('.')[-1]}.{self.base_model_class.__name__}"
             self.config.auto_map = auto_map
+        if self.generation_config is not None:  # settings set as attributes, not through set_exit_defaults
+            _keep_exit_settings_on_reload(self.generation_config)
         super().save_pretrained(save_directory, *args, **kwargs)
         if kwargs.get("is_main_process", True):
             if self.tokenizer is not None:

@@ -40,7 +40,8 @@ Design, and what it guarantees:
   always): the forwards are k times longer and k times rarer, the profiles up to k intervals stale. A model the pool
   switches to is always caught up first, and the choice made again with its fresh profile.
 
-Part of the Hub runtime: imports only torch, transformers and its siblings.
+Not part of the Hub runtime: no runtime file imports it, so saved folders do not carry it and a pool needs this
+package installed (`ee_transformers.EarlyExitPool`). It imports only torch, transformers and the runtime modules.
 """
 
 import dataclasses

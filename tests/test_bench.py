@@ -2,6 +2,7 @@
 
 import json
 import math
+import sys
 
 import pytest
 import torch
@@ -173,3 +174,20 @@ def test_instrumentation_leaves_the_models_as_they_were(ee_folder):
     for model in (ee, plain):
         assert not {"forward", "_check", "_decide", "_backfill_kv"} & set(vars(model)), "a wrapper was left on"
         assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()), "a hook was left on"
+
+
+def test_report_without_matplotlib_writes_the_json_and_table_and_says_how_to_get_the_plots(
+    tmp_path, monkeypatch, caplog
+):
+    from ee_transformers.tools.bench.report import write_outputs
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
+    monkeypatch.delitem(sys.modules, "matplotlib.pyplot", raising=False)
+    with caplog.at_level("WARNING"):
+        paths = write_outputs({"costs": {}, "results": []}, tmp_path)
+    assert sorted(paths) == ["json", "table"], "the plots were not drawn, so they are not among the outputs"
+    assert json.loads((tmp_path / "report.json").read_text()) == {"costs": {}, "results": []}
+    assert (tmp_path / "results.md").is_file() and not list(tmp_path.glob("*.png"))
+    warnings = [r.getMessage() for r in caplog.records if "matplotlib" in r.getMessage()]
+    assert len(warnings) == 1 and "frontier.png" in warnings[0] and "exit_histogram.png" in warnings[0], warnings
+    assert "pip install 'ee-transformers[bench]'" in warnings[0], warnings

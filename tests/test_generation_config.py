@@ -65,6 +65,42 @@ def test_generation_config_json_round_trip(base_dirs, tmp_path):
         assert (decode(loaded.eval()) == 1).all()
 
 
+def test_settings_put_on_a_loaded_models_generation_config_survive_save_and_reload(base_dirs, tmp_path):
+    """A loaded model's generation config is marked `_from_model_config` (built from config.json); transformers reads
+    a file so marked without its custom entries, so saving the mark with the settings would lose them on reload."""
+    ee(base_dirs).save_pretrained(tmp_path / "plain")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "plain", trust_remote_code=True)
+    assert model.generation_config._from_model_config, "the case this test is about: a config built from config.json"
+    model.generation_config.exit_criterion = "max_prob"  # as a transformers user sets generation settings
+    model.generation_config.exit_threshold = 0.0  # every token exits at the first check
+    model.save_pretrained(tmp_path / "m")
+    stored = json.loads((tmp_path / "m" / "generation_config.json").read_text())
+    assert stored["exit_threshold"] == 0.0 and not stored.get("_from_model_config"), stored
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m", trust_remote_code=True).eval()
+    assert (loaded.generation_config.exit_criterion, loaded.generation_config.exit_threshold) == ("max_prob", 0.0)
+    assert (decode(loaded) == 0).all(), "the reloaded settings must really exit early"
+
+
+def test_exit_settings_in_a_file_marked_from_the_model_config_are_read(base_dirs, tmp_path):
+    """A folder written before the fix above holds its settings under the mark: they are read all the same."""
+    ee(base_dirs).save_pretrained(tmp_path / "m")
+    path = tmp_path / "m" / "generation_config.json"
+    stored = json.loads(path.read_text())
+    path.write_text(json.dumps({**stored, "_from_model_config": True, **ON}))
+    for loaded in (
+        eet.EarlyExitLlamaForCausalLM.from_pretrained(tmp_path / "m"),
+        AutoModelForCausalLM.from_pretrained(tmp_path / "m", trust_remote_code=True),
+    ):
+        assert (loaded.generation_config.exit_criterion, loaded.generation_config.exit_threshold) == ("max_prob", 0.0)
+        assert (decode(loaded.eval()) == 0).all(), "the settings read must really exit early"
+    passed = eet.EarlyExitLlamaForCausalLM.from_pretrained(tmp_path / "m", exit_threshold=1.0)
+    assert passed.generation_config.exit_threshold == 1.0, "from_pretrained arguments still win over the file"
+    given = eet.EarlyExitLlamaForCausalLM.from_pretrained(tmp_path / "m", generation_config=GenerationConfig())
+    assert getattr(given.generation_config, "exit_criterion", None) is None, (
+        "a generation_config passed to from_pretrained replaces the file"
+    )
+
+
 def test_from_pretrained_exit_settings_become_defaults(base_dirs, tmp_path):
     ee(base_dirs).save_pretrained(tmp_path / "m")
     model = eet.EarlyExitLlamaForCausalLM.from_pretrained(tmp_path / "m", **ON).eval()

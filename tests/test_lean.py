@@ -665,3 +665,25 @@ def test_profile_agreement_is_each_depth_cut_against_full_depth(base_dirs):
     for i, e in enumerate(EXITS):
         cut = torch.cat([o.exit_logits[i][0].argmax(-1) for o in outs])
         assert profile.agreement[e] == pytest.approx(float((cut == full).double().mean()))
+
+
+def test_profile_without_matplotlib_writes_the_json_and_says_how_to_get_the_plot(
+    base_dirs, tmp_path, monkeypatch, caplog
+):
+    """The plot is an extra (`bench`); the profile is core API and must not need a plotting library."""
+    from test_model import _tiny_tokenizer
+
+    from ee_transformers.tools.profile import PROFILE_FILE, ExitProfile, profile_exits
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
+    monkeypatch.delitem(sys.modules, "matplotlib.pyplot", raising=False)
+    model = eet.from_base(base_dirs["llama"][0], exit_layers=EXITS)
+    with caplog.at_level("WARNING"):
+        profile = profile_exits(
+            model, _tiny_tokenizer(), _texts([20]), window=8, out_dir=tmp_path, progress=False, **NEVER
+        )
+    assert ExitProfile.load(tmp_path) == profile, f"{PROFILE_FILE} must be written without matplotlib"
+    assert not (tmp_path / "exit_profile.png").exists()
+    warnings = [r.getMessage() for r in caplog.records if "matplotlib" in r.getMessage()]
+    assert len(warnings) == 1 and "exit_profile.png" in warnings[0], warnings
+    assert "pip install 'ee-transformers[bench]'" in warnings[0], warnings

@@ -143,7 +143,7 @@ def fit_batch(memory: dict, budget: int, max_batch: int = 4096) -> int:
 def _quality(model, reference, prompts, new_tokens, exit_kwargs, batch_size, reset_to=None):
     """Agreement of `model`'s greedy tokens with `reference` (plain full depth), batch by batch; with `reset_to`,
     the lean model goes back to that depth before every batch (the guard may have deepened it)."""
-    from ee_transformers.tools.bench import agreement
+    from ee_transformers.tools.bench.timing import agreement
 
     rows, exits, greedy, deepenings, tokens = [], [], [], 0, 0
     for start in range(0, len(prompts), batch_size):
@@ -255,7 +255,8 @@ def _run(args, argv=None):
         )
     log = lambda message: print(message, flush=True)  # noqa: E731
     from ee_transformers.convert import from_base
-    from ee_transformers.tools.bench import heldout_prompts, machine_info
+    from ee_transformers.tools.bench.loading import heldout_prompts
+    from ee_transformers.tools.bench.run import machine_info
     from ee_transformers.tools.profile import profile_exits
 
     started = time.perf_counter()

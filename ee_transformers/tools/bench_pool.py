@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from ee_transformers.tools.arguments import InputError, run_command
-from ee_transformers.tools.demo import CALIBRATION_REGIONS, FIT_REGIONS, text_slice
+from ee_transformers.tools.assets.text import CALIBRATION_REGIONS, FIT_REGIONS, text_slice
 
 HELIOS_CLAIM = (
     "HELIOS (arXiv abstract) reports 1.48x throughput and 15.14x batch size over existing early-exit "

@@ -23,11 +23,7 @@ from pathlib import Path
 import torch
 
 from ee_transformers.tools.arguments import ArgumentParser, InputError, comma_list, run_command
-
-# Where each step reads its text, as (start, stop) fractions of the source: no overlap between fit, calibration and
-# the comparison prompts (those are the benchmark's `HELDOUT_REGIONS`).
-FIT_REGIONS = {"python": (0.0, 0.5)}  # plus the five training novels, whole
-CALIBRATION_REGIONS = {"austen": (0.0, 0.5), "python": (0.6, 0.7)}
+from ee_transformers.tools.assets.text import CALIBRATION_REGIONS, FIT_REGIONS, text_slice  # shared with bench-pool
 
 
 @dataclass(frozen=True)
@@ -63,13 +59,6 @@ DEMO_MODELS = {
         terms="GEMMA_TERMS.html",
     ),
 }
-
-
-def text_slice(path, region, max_chars):
-    """The text of `path` between the fractions `region` = (start, stop), at most `max_chars` of it."""
-    text = Path(path).read_text(encoding="utf-8", errors="replace")
-    start, stop = int(region[0] * len(text)), int(region[1] * len(text))
-    return text[start : min(stop, start + max_chars)]
 
 
 def build_parser():

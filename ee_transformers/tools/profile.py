@@ -30,6 +30,7 @@ from ee_transformers.generation_early_exit import (
     resolve_exit_settings,
 )
 from ee_transformers.lean_early_exit import is_lean
+from ee_transformers.tools.plotting import pyplot, pyplot_or_skip
 
 __all__ = ["ExitProfile", "PROFILE_FILE", "decide_positions", "lean_agreement", "main", "plot_profile", "profile_exits"]
 
@@ -281,16 +282,16 @@ def write_profile(profile: ExitProfile, folder) -> Path:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / PROFILE_FILE).write_text(json.dumps(profile.to_dict(), indent=1) + "\n")
-    plot_profile(profile, folder / "exit_profile.png")
+    if pyplot_or_skip("exit_profile.png") is not None:  # the plot is an extra; the JSON is the profile
+        plot_profile(profile, folder / "exit_profile.png")
     return folder / PROFILE_FILE
 
 
 def plot_profile(profile: ExitProfile, path):
-    """Share of tokens decided per depth (bars) and the coverage of a lean model stopping there (line)."""
-    import matplotlib
+    """Share of tokens decided per depth (bars) and the coverage of a lean model stopping there (line).
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    Needs matplotlib (`pip install 'ee-transformers[bench]'`)."""
+    plt = pyplot()
 
     depths = profile.depths
     fig, ax = plt.subplots(figsize=(6, 3.6))

@@ -470,7 +470,9 @@ def measure_speed(
     benchmark's method), at `batch_size` (default `config.decode_batch_size`; prompts are repeated to fill a batch).
     Returns the paired speed-ups (median, lower quartile, all) and the quality of those runs: per-token agreement
     (given its own prefix) and identical-token share against the full-depth text."""
-    from ee_transformers.tools.bench import BenchConfig, compare, plain_twin
+    from ee_transformers.tools.bench.config import BenchConfig
+    from ee_transformers.tools.bench.loading import plain_twin
+    from ee_transformers.tools.bench.timing import compare
 
     plain = plain_twin(model)
     batch = batch_size or config.decode_batch_size

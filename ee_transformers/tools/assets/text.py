@@ -52,6 +52,18 @@ AUSTEN_TRAIN: tuple[str, ...] = AUSTEN_NOVELS[:-1]
 
 PYTHON_DOCS_FILE = "python_docs.txt"
 
+# Where the demo and bench-pool read their text, as (start, stop) fractions of the source: no overlap between fit,
+# calibration and the comparison prompts (those are the benchmark's `HELDOUT_REGIONS`, tools/bench/loading.py).
+FIT_REGIONS = {"python": (0.0, 0.5)}  # plus the five training novels, whole
+CALIBRATION_REGIONS = {"austen": (0.0, 0.5), "python": (0.6, 0.7)}
+
+
+def text_slice(path, region, max_chars):
+    """The text of `path` between the fractions `region` = (start, stop), at most `max_chars` of it."""
+    text = Path(path).read_text(encoding="utf-8", errors="replace")
+    start, stop = int(region[0] * len(text)), int(region[1] * len(text))
+    return text[start : min(stop, start + max_chars)]
+
 
 def read_austen_rdb(rdb_path: Path) -> dict[str, list[str | None]]:
     """The novels (character vectors with more than 1000 lines) in janeaustenr's ``Rdata.rdb``, by R name.

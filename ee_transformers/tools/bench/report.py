@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from ee_transformers.generation_early_exit import ExitCriterion
+from ee_transformers.tools.plotting import pyplot, pyplot_or_skip
 from ee_transformers.tools.quality import EXPLAINER
 
 TARGETS = {
@@ -155,18 +156,9 @@ def format_table(report, include_sweep=True):
     return "\n".join(lines) + "\n"
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def plot_frontier(results, path):
     """Speed-up (median, min-max bars) versus agreement of the sweep, one panel per batch size, frontier drawn."""
-    plt = _pyplot()
+    plt = pyplot()
     results = results["results"] if isinstance(results, dict) else results
     sizes = sorted({r["batch_size"] for r in results if frontier_points(results, r["batch_size"])[0]}) or [None]
     fig, axes = plt.subplots(1, len(sizes), figsize=(5.5 * len(sizes), 4.2), squeeze=False)
@@ -227,7 +219,7 @@ def plot_histogram(results, path, names=None):
 
     names: result names to draw; default the calibrated result, else the sweep result with the best speed-up at
     >= 90% agreement, plus the forced "mixed" profile (batch/immediate)."""
-    plt = _pyplot()
+    plt = pyplot()
     results = results["results"] if isinstance(results, dict) else results
     sizes = sorted({r["batch_size"] for r in results})
     chosen = {}
@@ -283,7 +275,8 @@ def jsonable(x):
 
 
 def write_outputs(report, out_dir):
-    """report.json, results.md, frontier.png, exit_histogram.png under `out_dir`; returns their paths."""
+    """report.json, results.md, frontier.png, exit_histogram.png under `out_dir`; returns the paths written (no plots,
+    and one warning, without matplotlib)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {
@@ -294,6 +287,8 @@ def write_outputs(report, out_dir):
     }
     paths["json"].write_text(json.dumps(jsonable(report), indent=1) + "\n")
     paths["table"].write_text(format_table(report))
+    if pyplot_or_skip(paths["frontier"].name, paths["histogram"].name) is None:
+        return {k: paths[k] for k in ("json", "table")}
     plot_frontier(report, paths["frontier"])
     plot_histogram(report, paths["histogram"])
     return paths
