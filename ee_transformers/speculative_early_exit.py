@@ -8,13 +8,21 @@
     out.sequences          # greedy: token for token the full model's own greedy generation
     out.acceptance_rate    # (batch,) share of each row's drafts that the full model accepted
 
+Context drafts (prompt lookup), alone or with the exit head's, in the same engine:
+
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=128,
+                         prompt_lookup_num_tokens=2,          # at most 2 drafts copied from the row's own text
+                         max_matching_ngram_size=3)           # the n-gram matched (largest first)
+
 `assistant_early_exit`, `num_assistant_tokens`, `num_assistant_tokens_schedule` and `assistant_confidence_threshold` are
 transformers' GenerationConfig fields, with transformers' meaning and defaults (20 drafts, "constant", 0.4); stored in
 `model.generation_config` they are the model's defaults. `EarlyExitMixin.generate` hands `speculative_generate` to
 transformers' `generate` as `custom_generate`. Below, E is the 0-based exit layer (`assistant_early_exit - 1`, one of
 `config.exit_layers`), L the number of decoder layers, k the number of drafts of a round.
 
-One round, all rows at once:
+One round, all rows at once (context drafts: `context_drafts` copies each row's drafts from the tokens that followed
+an earlier occurrence of its last n-gram; when no active row needs the exit head, the round feeds every row's last
+token and drafts, fillers after a row's own, through ALL layers in one forward, and `verify` starts at layer 0):
 
     draft_step  the row's last token, then each draft, runs layers 0..E once: its K/V there are written for good and
                 the residual leaving E is kept; exit head E proposes the next token (`draft_head`). Drafting stops

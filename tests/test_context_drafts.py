@@ -277,3 +277,30 @@ def test_bad_context_draft_arguments_raise_before_decoding(models, kwargs, match
     finally:
         counter.remove()
     assert counter.calls == [0] * LAYERS  # refused before any decoding
+
+
+# --- the benchmark ---------------------------------------------------------------------------------------------------
+
+
+def test_bench_lossless_runs_side_by_side_and_reports(models):
+    from ee_transformers.tools.bench import plain_twin, random_prompts
+    from ee_transformers.tools.bench.lossless import LosslessConfig, format_lossless, run_lossless
+
+    model, _ = models("llama")
+    config = LosslessConfig(batch_sizes=[1, 2], num_prompts=2, prompt_tokens=8, new_tokens=6, rounds=1, threads=1)
+    config.exits = [2]
+    report = run_lossless(model, plain_twin(model), random_prompts(99, 2, 8), config, log=lambda *_: None)
+    rows = {(r["batch_size"], r["who"], r["name"]) for r in report["results"]}
+    assert (1, "transformers", "prompt lookup N=10 G=2") in rows and (2, "ours", "prompt lookup N=10 G=2") in rows
+    assert (2, "transformers", "prompt lookup N=10 G=2") not in rows  # transformers refuses batch > 1
+    assert (2, "ours", "context + exit drafts @2") in rows and (1, "transformers", "exit drafts @2") in rows
+    assert all(r["identical"] and r["speedup"] > 0 for r in report["results"])
+    assert "prompt lookup N=4 G=3" in format_lossless(report)
+
+
+@pytest.mark.parametrize("value", ["4", "0:2", "4:x", "4:3:1"])
+def test_bench_lossless_refuses_bad_lookup_settings(value):
+    from ee_transformers.tools.bench.lossless import LosslessConfig
+
+    with pytest.raises(ValueError, match="`lookup` takes N:G pairs"):
+        LosslessConfig(lookup=[value])

@@ -81,7 +81,8 @@ def source_card_data(folder) -> dict:
 
 def render_model_card(model, extra: dict | None = None) -> str:
     """The card for `model`. `extra` (over `model.card_data`, which `from_base` fills from the source folder) may
-    hold: base_model (a Hub id), license (a Hub license id), training, calibration, evaluation, notes (markdown)."""
+    hold: base_model (a Hub id), license (a Hub license id), training, calibration, lossless calibration, evaluation,
+    notes (markdown)."""
     config = model.config
     extra = dict(getattr(model, "card_data", None) or {}, **(extra or {}))
     base_model = hub_id(extra.get("base_model"))
@@ -109,7 +110,23 @@ def render_model_card(model, extra: dict | None = None) -> str:
             f"`{license_}`, the license of the base model{f' `{base_model}`' if base_model else ''}, "
             "whose weights this folder holds."
         )
-    if stored.get("exit_criterion") is not None or stored.get("exit_patience"):
+    lossless = {
+        name: getattr(model.generation_config, name, None)
+        for name in ("prompt_lookup_num_tokens", "max_matching_ngram_size", "assistant_early_exit")
+    }
+    lossless = {k: v for k, v in lossless.items() if v is not None}
+    if lossless:
+        decoding = (
+            "lossless speculative decoding, "
+            + ", ".join(f"`{k}={v}`" for k, v in lossless.items())
+            + " (stored in `generation_config.json`; the text is token for token full depth's)"
+        )
+        generate_snippet = (
+            "# the stored lossless setting applies (generation_config.json): the same text as full depth, faster\n"
+            "out = model.generate(**inputs, max_new_tokens=32, return_dict_in_generate=True)"
+        )
+        snippet_note = "The call above uses the setting stored in `generation_config.json` (" + decoding + ")."
+    elif stored.get("exit_criterion") is not None or stored.get("exit_patience"):
         generate_snippet = (
             "# the stored (calibrated) exit settings apply: generation_config.json holds them\n"
             "out = model.generate(**inputs, max_new_tokens=32, return_dict_in_generate=True)"
@@ -153,7 +170,9 @@ def render_model_card(model, extra: dict | None = None) -> str:
             "Exit heads not fitted yet: each starts as the final norm (plus a silent "
             "adapter), so early exits are exactly 'final norm applied early'.",
         ),
-        calibration=extra.get("calibration", "Not calibrated."),
+        calibration="\n\n".join(
+            t for t in (extra.get("calibration", "Not calibrated."), extra.get("lossless calibration")) if t
+        ),
         evaluation=extra.get("evaluation", "Not evaluated."),
         notes=extra.get("notes", ""),
     )

@@ -1013,6 +1013,15 @@ def build_parser():
     p.add_argument("--out", help="write the calibrated folder here (default: update the model folder in place)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out that ee-transformers wrote")
     add_config_arguments(p, CalibrationConfig, defaults=CLI_DEFAULTS)
+    p.add_argument(
+        "--lossless",
+        action="store_true",
+        help="lossless mode: choose the draft sources and counts (prompt_lookup_num_tokens, "
+        "max_matching_ngram_size, assistant_early_exit) by measured speed; the flags below apply",
+    )
+    from ee_transformers.training.calibrate_lossless import LosslessCalibrationConfig
+
+    add_config_arguments(p.add_argument_group("lossless mode (--lossless)"), LosslessCalibrationConfig)
     return p
 
 
@@ -1051,6 +1060,8 @@ def _fit_card(folder) -> dict:
 
 
 def _run(args):
+    if args.lossless:
+        return _run_lossless(args)
     import ee_transformers as eet
     from ee_transformers.convert import check_weights, read_config
     from ee_transformers.tools.outputs import OutputFolder
@@ -1089,3 +1100,35 @@ def _run(args):
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _run_lossless(args):
+    import ee_transformers as eet
+    from ee_transformers.convert import check_weights, read_config
+    from ee_transformers.tools.bench.loading import heldout_prompts, plain_twin
+    from ee_transformers.tools.outputs import OutputFolder
+    from ee_transformers.training import calibrate_lossless as lossless
+    from ee_transformers.training.data import expand_paths
+    from ee_transformers.training.fit_exit_heads import save_model_folder
+
+    config = config_from_args(lossless.LosslessCalibrationConfig, args)
+    folder = args.model
+    read_config(folder, "model")
+    check_weights(folder, "model")
+    output = OutputFolder(
+        args.out or folder, overwrite=args.overwrite, carry_from=folder, argument="--out" if args.out else "model"
+    )
+    model = eet.from_base(folder).eval()
+    if model.tokenizer is None:
+        raise InputError(f"`model` {folder!r} has no tokenizer to tokenise the held-out prompts.")
+    files = expand_paths(args.data)
+    prompts = heldout_prompts(model.tokenizer, files=files, num_prompts=config.num_prompts, window=config.prompt_tokens)
+    report = lossless.calibrate_lossless(model, plain_twin(model), prompts, config)
+    report["data"] = [os.path.basename(p) for p in files]
+    lossless.apply_lossless_calibration(model, report)
+    card = _fit_card(folder)
+    card["lossless calibration"] = lossless.lossless_calibration_card(report)
+    extra = {"calibration_lossless.json": report}
+    out = save_model_folder(model, output, model.tokenizer, card, extra, command="calibrate --lossless")
+    print(f"Calibrated {out} (lossless): {report['message']}")
+    return 0

@@ -1,5 +1,6 @@
 """What a benchmark runs on: the plain twin sharing the early-exit model's modules, held-out prompts, batches."""
 
+import copy
 import math
 import random
 import re
@@ -9,6 +10,7 @@ import torch
 import transformers
 
 from ee_transformers.modeling_early_exit import EarlyExitMixin
+from ee_transformers.speculative_early_exit import DRAFT_SOURCES
 
 # nor calibration should see. Calibration may use the front of the held-out novel and of the manual, so the
 # benchmark takes its prompts from their tails: the second half of Sense and Sensibility, and the last tenth of the
@@ -18,7 +20,8 @@ HELDOUT_REGIONS = {"austen": (0.5, 1.0), "python": (0.8, 0.88)}
 
 def plain_twin(ee_model):
     """The family's plain `...ForCausalLM` running on the very same modules (no copy): plain transformers generate
-    on the same weights. Exit heads are not part of it."""
+    on the same weights. Exit heads are not part of it; its generation config is a copy of the early-exit model's
+    without stored draft settings (`prompt_lookup_num_tokens`, `assistant_early_exit`)."""
     plain_cls = next(
         c
         for c in type(ee_model).__mro__[1:]
@@ -35,7 +38,9 @@ def plain_twin(ee_model):
         plain = plain_cls(config)
     plain.model = ee_model.model
     plain.lm_head = ee_model.lm_head
-    plain.generation_config = ee_model.generation_config
+    plain.generation_config = copy.deepcopy(ee_model.generation_config)
+    for name in DRAFT_SOURCES:  # the greedy reference: stored draft settings would make its generate assisted
+        setattr(plain.generation_config, name, None)
     return plain.eval()
 
 
@@ -74,6 +79,8 @@ def heldout_prompts(tokenizer, files=None, num_prompts=16, window=64, seed=0):
     domains = list(sources)
     counts = [num_prompts // len(domains) + (i < num_prompts % len(domains)) for i in range(len(domains))]
     for (domain, (path, (lo, hi))), count in zip(sources.items(), counts):
+        if count == 0:  # more files than prompts asked for
+            continue
         text = Path(path).read_text(encoding="utf-8", errors="replace")
         start, stop = int(lo * len(text)), int(hi * len(text))
         chunk = 12 * window  # characters: comfortably more than `window` tokens of English

@@ -17,7 +17,7 @@ was token for token the plain greedy output (asserted after the report is writte
 
     ee-transformers bench-lossless --model ~/.cache/ee-transformers/smollm2-135m-instruct --out bench-lossless
 
-Python API: `LosslessConfig`, `lossless_rows`, `run_lossless`, `format_lossless`, `main`.
+Python API: `LosslessConfig`, `lossless_rows`, `measure_rows`, `run_lossless`, `format_lossless`, `main`.
 """
 
 import json
@@ -39,7 +39,7 @@ from ee_transformers.tools.arguments import (
 from ee_transformers.tools.bench.loading import heldout_prompts, load_models, make_batches
 from ee_transformers.tools.bench.timing import greedy_generation_config, without_eos
 
-__all__ = ["LosslessConfig", "format_lossless", "lossless_rows", "main", "run_lossless"]
+__all__ = ["LosslessConfig", "format_lossless", "lossless_rows", "main", "measure_rows", "run_lossless"]
 
 
 @dataclass
@@ -106,57 +106,64 @@ def _forwards(out, new_tokens):
     return len(rounds) if rounds is not None else new_tokens - 1
 
 
-def run_lossless(ee, plain, tokenizer, config: LosslessConfig, log=print) -> dict:
-    """Times every row against plain on the same batches; returns {"config", "results": [...]}."""
+def measure_rows(ee, plain, batches, rows, generation_config, rounds, log=print) -> list[dict]:
+    """Paired, interleaved timing of `rows` (see `lossless_rows`) against plain generate on `batches`; returns one
+    result per row: speed-up (summed plain time / summed row time), median / min / max of the per-batch ratios,
+    full-depth forwards per token, and whether every output equalled plain greedy's."""
+    new_tokens = generation_config.max_new_tokens
+    reference = {}
+    for ids, mask, _ in batches:  # warm-up, and the reference output
+        reference[id(ids)] = _timed(plain, ids, mask, generation_config, {})[1].sequences
+    for row in rows:  # warm-up of every row
+        _timed(ee if row["who"] == "ours" else plain, *batches[0][:2], generation_config, row["kwargs"])
+    times, plain_times, forwards = ([[] for _ in rows] for _ in range(3))
+    identical = [True] * len(rows)
+    for round_ in range(rounds):
+        order = list(range(len(rows)))[:: 1 if round_ % 2 == 0 else -1]
+        for ids, mask, _ in batches:
+            before, _ = _timed(plain, ids, mask, generation_config, {})
+            for i in order:
+                model = ee if rows[i]["who"] == "ours" else plain
+                seconds, out = _timed(model, ids, mask, generation_config, rows[i]["kwargs"])
+                after, _ = _timed(plain, ids, mask, generation_config, {})
+                times[i].append(seconds)
+                plain_times[i].append((before + after) / 2)
+                identical[i] &= torch.equal(out.sequences, reference[id(ids)])
+                forwards[i].append(_forwards(out, new_tokens))
+                before = after
+        log(f"  batch {batches[0][0].shape[0]}: round {round_ + 1}/{rounds} done")
+    results = []
+    for i, row in enumerate(rows):
+        ratios = [p / t for p, t in zip(plain_times[i], times[i])]
+        results.append(
+            dict(
+                name=row["name"],
+                who=row["who"],
+                batch_size=int(batches[0][0].shape[0]),
+                kwargs=row["kwargs"],
+                speedup=sum(plain_times[i]) / sum(times[i]),
+                median=statistics.median(ratios),
+                low=min(ratios),
+                high=max(ratios),
+                tokens_per_forward=(new_tokens - 1) / statistics.mean(forwards[i]),
+                identical=identical[i],
+                plain_ms_per_token=1000 * statistics.mean(plain_times[i]) / new_tokens,
+            )
+        )
+    return results
+
+
+def run_lossless(ee, plain, prompts, config: LosslessConfig, log=print) -> dict:
+    """Times every row against plain on the same batches of `prompts` (`[{"ids": [int]}]`, e.g. `heldout_prompts`);
+    returns {"config", "results": [...]}."""
     torch.set_num_threads(config.threads)
-    prompts = heldout_prompts(tokenizer, num_prompts=config.num_prompts, window=config.prompt_tokens, seed=config.seed)
     results = []
     with without_eos(ee, plain):
         generation_config = greedy_generation_config(plain, config.new_tokens, clear_exit_settings=True)
         for batch_size in config.batch_sizes:
             batches = make_batches(prompts, batch_size, max_batches=max(1, config.num_prompts // batch_size))
             rows = [r for r in lossless_rows(config) if batch_size == 1 or not r["batch_1_only"]]
-            reference = {}
-            for ids, mask, _ in batches:  # warm-up, and the reference output
-                reference[id(ids)] = _timed(plain, ids, mask, generation_config, {})[1].sequences
-            for row in rows:  # warm-up of every row
-                model = ee if row["who"] == "ours" else plain
-                _timed(model, *batches[0][:2], generation_config, row["kwargs"])
-            times = {i: [] for i in range(len(rows))}
-            plain_times = {i: [] for i in range(len(rows))}
-            identical = {i: True for i in range(len(rows))}
-            forwards = {i: [] for i in range(len(rows))}
-            for round_ in range(config.rounds):
-                order = list(range(len(rows)))[:: 1 if round_ % 2 == 0 else -1]
-                for ids, mask, _ in batches:
-                    before, _ = _timed(plain, ids, mask, generation_config, {})
-                    for i in order:
-                        model = ee if rows[i]["who"] == "ours" else plain
-                        seconds, out = _timed(model, ids, mask, generation_config, rows[i]["kwargs"])
-                        after, _ = _timed(plain, ids, mask, generation_config, {})
-                        times[i].append(seconds)
-                        plain_times[i].append((before + after) / 2)
-                        identical[i] &= torch.equal(out.sequences, reference[id(ids)])
-                        forwards[i].append(_forwards(out, config.new_tokens))
-                        before = after
-                log(f"  batch {batch_size}: round {round_ + 1}/{config.rounds} done")
-            for i, row in enumerate(rows):
-                ratios = [p / t for p, t in zip(plain_times[i], times[i])]
-                results.append(
-                    dict(
-                        name=row["name"],
-                        who=row["who"],
-                        batch_size=batch_size,
-                        kwargs=row["kwargs"],
-                        speedup=sum(plain_times[i]) / sum(times[i]),
-                        median=statistics.median(ratios),
-                        low=min(ratios),
-                        high=max(ratios),
-                        tokens_per_forward=(config.new_tokens - 1) / statistics.mean(forwards[i]),
-                        identical=identical[i],
-                        plain_ms_per_token=1000 * statistics.mean(plain_times[i]) / config.new_tokens,
-                    )
-                )
+            results += measure_rows(ee, plain, batches, rows, generation_config, config.rounds, log)
     return {"config": asdict(config), "results": results}
 
 
@@ -185,7 +192,8 @@ def _run(args):
     exit_layers = sorted({e - 1 for e in config.exits or []}) or [0]
     ee, plain = load_models(args.model, exit_layers=exit_layers)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    report = run_lossless(ee, plain, tokenizer, config)
+    prompts = heldout_prompts(tokenizer, num_prompts=config.num_prompts, window=config.prompt_tokens, seed=config.seed)
+    report = run_lossless(ee, plain, prompts, config)
     table = format_lossless(report)
     print(table)
     if args.out:

@@ -12,6 +12,8 @@ from types import SimpleNamespace
 import torch
 
 from ee_transformers.generation_early_exit import EXIT_ARGUMENTS, ExitStats, merged_exit_values, resolve_exit_settings
+from ee_transformers.modeling_early_exit import EarlyExitMixin
+from ee_transformers.speculative_early_exit import DRAFT_SOURCES
 from ee_transformers.tools.bench.config import BenchConfig, Variant
 from ee_transformers.tools.bench.forced import ForcedExits, forced_profile
 from ee_transformers.tools.bench.loading import make_batches
@@ -62,6 +64,9 @@ def greedy_generation_config(model, new_tokens, clear_exit_settings=False):
         for name in EXIT_ARGUMENTS:
             if hasattr(config, name):
                 setattr(config, name, None)
+    if clear_exit_settings or not isinstance(model, EarlyExitMixin):  # the plain twin is the greedy reference: stored
+        for name in DRAFT_SOURCES:  # draft settings (it shares the early-exit model's config) would make it assisted
+            setattr(config, name, None)
     config.update(
         max_new_tokens=new_tokens,
         min_new_tokens=None,
@@ -108,7 +113,8 @@ def _timed_generate(model, batch, new_tokens, kwargs):
     """One greedy generate. Returns (total seconds, prefill seconds, new tokens, output)."""
     ids, mask, _ = batch
     # stored confident-exit settings do not combine with self-speculation: its runs start from a config without them
-    generation_config = _generation_config(model, new_tokens, clear_exit_settings="assistant_early_exit" in kwargs)
+    speculative = any(name in kwargs for name in DRAFT_SOURCES)
+    generation_config = _generation_config(model, new_tokens, clear_exit_settings=speculative)
     with _PrefillTimer(model) as prefill:
         _sync(ids.device)
         start = time.perf_counter()

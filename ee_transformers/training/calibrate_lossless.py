@@ -1,0 +1,141 @@
+"""Lossless calibration: which draft sources and how many drafts, chosen by measured speed on this machine.
+
+    ee-transformers calibrate my-ee-model --lossless --out my-ee-model-fast
+
+Lossless modes never change the text (greedy output is token for token full depth's), so the only question is speed,
+and speed is measured, not predicted: every candidate (context drafts `prompt_lookup_num_tokens=N` with
+`max_matching_ngram_size=G`; with `exits`, exit-head drafts `assistant_early_exit` alone and with context drafts) is
+timed against plain greedy generate, paired and interleaved on held-out prompts, at every batch size. The candidate
+with the best worst-case speed-up over the batch sizes is stored in `generation_config.json` if that worst case beats
+full depth; a plain `generate` on the folder then uses it (stored lossless settings take precedence over stored
+confident-exit settings, which do not combine with them). Otherwise nothing is stored and the report says which
+candidate came closest, with its measured figures.
+
+Python use:
+    report = calibrate_lossless(model, plain_twin(model), prompts, LosslessCalibrationConfig())
+    apply_lossless_calibration(model, report)
+"""
+
+import itertools
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from ee_transformers.tools.arguments import check_fields
+from ee_transformers.tools.bench.loading import make_batches
+from ee_transformers.tools.bench.lossless import measure_rows
+from ee_transformers.tools.bench.timing import greedy_generation_config, without_eos
+
+__all__ = [
+    "LosslessCalibrationConfig",
+    "apply_lossless_calibration",
+    "calibrate_lossless",
+    "lossless_calibration_card",
+    "lossless_candidates",
+]
+
+STORED_FIELDS = ("prompt_lookup_num_tokens", "max_matching_ngram_size", "assistant_early_exit", "num_assistant_tokens")
+
+
+@dataclass
+class LosslessCalibrationConfig:
+    """Settings of one lossless calibration; `__post_init__` raises `ValueError` naming a bad field."""
+
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 8], metadata={"help": "batch sizes timed", "min": 1})
+    lookup_tokens: list[int] = field(
+        default_factory=lambda: [1, 2, 3, 4], metadata={"help": "prompt_lookup_num_tokens candidates", "min": 1}
+    )
+    ngram_sizes: list[int] = field(
+        default_factory=lambda: [2, 3], metadata={"help": "max_matching_ngram_size candidates", "min": 1}
+    )
+    exits: list[int] | None = field(
+        default=None, metadata={"help": "assistant_early_exit candidates (default: context drafts only)", "min": 1}
+    )
+    num_assistant_tokens: int = field(default=4, metadata={"help": "exit-head drafts per round", "min": 1})
+    num_prompts: int = field(default=8, metadata={"help": "held-out prompts timed", "min": 1})
+    prompt_tokens: int = field(default=64, metadata={"help": "tokens per prompt", "min": 1})
+    new_tokens: int = field(default=64, metadata={"help": "greedy tokens per timed run", "min": 2})
+    rounds: int = field(default=1, metadata={"help": "rounds of every paired comparison", "min": 1})
+
+    def __post_init__(self):
+        check_fields(self)
+
+
+def lossless_candidates(config: LosslessCalibrationConfig) -> list[dict]:
+    """generate() arguments of every candidate, context drafts first."""
+    context = [
+        dict(prompt_lookup_num_tokens=n, max_matching_ngram_size=g)
+        for n, g in itertools.product(config.lookup_tokens, config.ngram_sizes)
+    ]
+    exits = []
+    for e in config.exits or []:
+        exit_draft = dict(assistant_early_exit=e, num_assistant_tokens=config.num_assistant_tokens)
+        exits += [exit_draft] + [{**c, **exit_draft} for c in context]
+    return context + exits
+
+
+def _name(kwargs) -> str:
+    return ", ".join(f"{k}={v}" for k, v in kwargs.items())
+
+
+def calibrate_lossless(model, plain, prompts, config: LosslessCalibrationConfig | None = None, log=print) -> dict:
+    """Times every candidate at every batch size (paired, interleaved against `plain`, the model's plain twin);
+    returns {"config", "candidates": [{"kwargs", "by_batch_size": {b: measured}, "worst"}], "chosen", "message"}.
+    Raises `AssertionError` if a candidate's output differs from plain greedy (a lossless mode that is not)."""
+    config = config or LosslessCalibrationConfig()
+    kwargs = lossless_candidates(config)
+    rows = [dict(name=_name(k), who="ours", kwargs=k, batch_1_only=False) for k in kwargs]
+    by_batch = {}
+    with without_eos(model, plain), torch.no_grad():
+        generation_config = greedy_generation_config(plain, config.new_tokens, clear_exit_settings=True)
+        for b in config.batch_sizes:
+            batches = make_batches(prompts, b, max_batches=max(1, config.num_prompts // b), device=model.device)
+            by_batch[b] = measure_rows(model, plain, batches, rows, generation_config, config.rounds, log)
+    candidates = []
+    for i, k in enumerate(kwargs):
+        measured = {str(b): by_batch[b][i] for b in config.batch_sizes}
+        wrong = [b for b, m in measured.items() if not m["identical"]]
+        if wrong:
+            raise AssertionError(f"{_name(k)} did not reproduce plain greedy output at batch sizes {wrong}.")
+        candidates.append(dict(kwargs=k, by_batch_size=measured, worst=min(m["speedup"] for m in measured.values())))
+    best = max(candidates, key=lambda c: c["worst"])
+    sizes = ", ".join(f"{m['speedup']:.2f}x at batch {b}" for b, m in best["by_batch_size"].items())
+    if best["worst"] > 1.0:
+        chosen, message = best["kwargs"], f"stored {_name(best['kwargs'])}: measured {sizes}"
+    else:
+        chosen = None
+        closest = _name(best["kwargs"])
+        message = f"no lossless setting beat full depth at every batch size; the closest, {closest}, measured {sizes}"
+    return dict(config=asdict(config), candidates=candidates, chosen=chosen, closest=best, message=message)
+
+
+def apply_lossless_calibration(model, report: dict) -> None:
+    """Stores the report's choice in `model.generation_config` (saved to `generation_config.json`), or clears the
+    lossless settings when nothing was chosen."""
+    chosen = report.get("chosen") or {}
+    for name in STORED_FIELDS:
+        setattr(model.generation_config, name, chosen.get(name))
+    model.generation_config._from_model_config = False  # saved as written, not regenerated from the model config
+
+
+def lossless_calibration_card(report: dict) -> str:
+    """The model card's section: what was measured, and what was stored."""
+    sizes = list(report["config"]["batch_sizes"])
+    lines = [
+        f"Lossless calibration (greedy output identical to full depth, measured on this machine): {report['message']}.",
+        "",
+        "| setting | " + " | ".join(f"batch {b}" for b in sizes) + " |",
+        "|---|" + "---|" * len(sizes),
+    ]
+    for c in sorted(report["candidates"], key=lambda c: -c["worst"]):
+        cells = []
+        for b in sizes:
+            m = c["by_batch_size"][str(b)]
+            cells.append(f"{m['speedup']:.2f}x ({m['low']:.2f}-{m['high']:.2f})")
+        lines.append(f"| `{_name(c['kwargs'])}` | " + " | ".join(cells) + " |")
+    if report.get("chosen"):
+        lines += ["", "A plain `model.generate(...)` on this folder uses the stored setting."]
+    else:
+        closest = report["closest"]["kwargs"]
+        lines += ["", f"Nothing is stored; to use the closest anyway: `model.generate(ids, {_name(closest)})`."]
+    return "\n".join(lines)
