@@ -233,6 +233,7 @@ class RaggedBatch:
         self.slots = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         self.positions = self.slots.sum(-1)
         self.first = prompt - self.positions  # each row's first real token (rows are left-padded)
+        self.live = torch.arange(batch, device=device)  # the rows the cache (and every forward) still holds
         self.gapless = bool(self.slots.all())
         self.stopped = torch.zeros(batch, dtype=torch.bool, device=device)
         self.stop_at = torch.full((batch,), max_length, dtype=torch.long, device=device)
@@ -254,15 +255,25 @@ class RaggedBatch:
 
     # what the next forward sees --------------------------------------------------------------------------------------
     def position_ids(self, offset, q) -> torch.Tensor:
-        """`(B, q)` position ids of fed tokens `offset .. offset + q - 1` of the round."""
-        return self.positions[:, None] + offset + torch.arange(q, device=self.positions.device)
+        """`(R, q)` position ids of the live rows' fed tokens `offset .. offset + q - 1` of the round."""
+        return self.positions[self.live, None] + offset + torch.arange(q, device=self.positions.device)
+
+    def to_live(self, t):
+        """The live rows of a per-row tensor `(B, ...)`."""
+        return t if self.live.numel() == self.batch_size else t.index_select(0, self.live)
+
+    def to_all(self, t):
+        """A live rows' tensor `(R, ...)` as `(B, ...)`, zeros in the retired rows (processors see the whole batch)."""
+        if self.live.numel() == self.batch_size:
+            return t
+        return t.new_zeros(self.batch_size, *t.shape[1:]).index_copy_(0, self.live, t)
 
     def attention_mask(self, q):
         """2D mask over the cache's slots plus `q` new ones, `(B, N + q)`; None without gaps (as generate drops an
         all-ones mask)."""
         if self.gapless:
             return None
-        return torch.cat([self.slots, self.slots.new_ones(self.batch_size, q)], dim=1)
+        return torch.cat([self.slots, self.slots.new_ones(self.slots.shape[0], q)], dim=1)
 
     def process(self, logits_processor, logits, offset):
         """Scores of `logits` `(B, q, V)` at fed positions `offset ..`: each row's processors see its own prefix (its
@@ -318,10 +329,11 @@ class RaggedBatch:
     def keep(self, cache, counts, fed):
         """After a round that fed `fed` tokens to every row, row r keeps the first `counts[r]` of their slots; slots no
         row kept are cropped off every layer, the others are gaps in the rows that did not keep them."""
-        width = int(counts.max())
+        live_counts = self.to_live(counts)
+        width = int(live_counts.max())
         if fed > width:
             cache.crop(width - fed)
-        kept = torch.arange(width, device=counts.device) < counts[:, None]
+        kept = torch.arange(width, device=counts.device) < live_counts[:, None]
         self.slots = torch.cat([self.slots, kept], dim=1)
         self.positions = self.positions + counts
         self.gapless = self.gapless and bool(kept.all())
@@ -329,7 +341,7 @@ class RaggedBatch:
     def _needed(self, active):
         """Slots each row still needs: all it kept while it takes tokens, one once it has ended (so that its query,
         fed along with the batch's, still attends to something)."""
-        return int(torch.where(active, self.positions, 1).max())
+        return int(torch.where(self.to_live(active), self.to_live(self.positions), 1).max())
 
     def wants_compaction(self, capacity, fed, active):
         """Whether the dead columns are worth removing (over a quarter of the cache) or must go (a static cache of
@@ -337,6 +349,19 @@ class RaggedBatch:
         n = self.slots.shape[1]
         dead = n - self._needed(active)
         return dead > 0 and (4 * dead > n or 0 < capacity < n + fed)
+
+    def retire(self, cache, active):
+        """Drops the rows that have ended from the cache and from every later forward (they only cost compute), when
+        at least a quarter of the live rows have ended and every cache layer can select rows (dynamic layers)."""
+        done = ~self.to_live(active)
+        if not 4 * int(done.sum()) >= max(self.live.numel(), 4) or not all(
+            hasattr(layer, "batch_select_indices") for layer in cache.layers
+        ):
+            return
+        keep = (~done).nonzero().squeeze(1)
+        cache.batch_select_indices(keep)
+        self.live, self.slots = self.live[keep], self.slots[keep]
+        self.gapless = bool(self.slots.all())
 
     def compact(self, cache, active):
         """Moves every row's kept slots to the right end, in order, in every layer, and drops the dead columns (an
@@ -497,7 +522,8 @@ class GenerateSpeculativeOutput(GenerateEarlyExitOutput):
 
     `scores` / `logits`: per generated token, the full model's processed / raw scores (zeros after a row's end, where
     plain generate scores its pad tokens). `cache`: each row's tokens in the slot layout of the module docstring (at
-    batch > 1 with gaps between them); it is not meant for continuing a generation."""
+    batch > 1 with gaps between them, and without rows that ended early: `RaggedBatch.retire`); it is not meant for
+    continuing a generation."""
 
     draft_tokens: torch.LongTensor | None = None
     accepted_tokens: torch.LongTensor | None = None
@@ -559,7 +585,7 @@ def _point_mass(drafts, valid, vocab_size):
 def _context_round(model, batch, drafts, counts, k, sample):
     """Every row's last token and its k context drafts (fillers after its own) run through no layer here: their
     embeddings are verified from layer 0, all k+1 positions in one forward."""
-    fed = torch.cat([batch.last_tokens()[:, None], drafts[:, :k]], dim=1)
+    fed = batch.to_live(torch.cat([batch.last_tokens()[:, None], drafts[:, :k]], dim=1))
     states = model.family.embed(model, fed, batch.position_ids(0, k + 1))
     valid = torch.arange(k, device=counts.device) < counts[:, None]
     for i in range(k):
@@ -575,10 +601,11 @@ def _exit_round(model, settings, batch, cache, k, drafting, context, counts, log
     token, states, drafts, q = batch.last_tokens(), [], [], []
     adaptive = settings.threshold > 0 or settings.schedule != "constant"
     for i in range(k + 1):
-        states.append(draft_step(model, settings.exit_layer, token, batch, cache, i))
+        states.append(draft_step(model, settings.exit_layer, batch.to_live(token), batch, cache, i))
         if i == k:
             break  # the last draft only needed its state for verification
         draft_logits, learned = draft_head(model, settings, states[-1][:, -1])
+        draft_logits, learned = batch.to_all(draft_logits), None if learned is None else batch.to_all(learned)
         draft_scores = batch.process(logits_processor, draft_logits[:, None], i)[:, 0]
         probs = draft_scores.softmax(-1) if sample or (adaptive and learned is None) else None
         token = torch.multinomial(probs, 1).squeeze(1) if sample else draft_scores.argmax(-1)
@@ -615,6 +642,7 @@ def _plan(settings, batch, active, budgets, capacity, cache):
     k = int(counts.max())
     if use_exit:
         k = max(k, min(int(budgets["exit"][active].max()), int(room.max())))
+    batch.retire(cache, active)
     if batch.wants_compaction(capacity, k + 1, active):
         batch.compact(cache, active)
     if capacity > 0:
@@ -722,7 +750,7 @@ def speculative_generate(
     while bool((active := batch.active).any()):
         r = _draft(model, settings, batch, cache, active, budgets, capacity, logits_processor, sample)
         k = r.drafts.shape[1]
-        logits = verify(model, r.start, r.states, batch, cache)  # (B, k+1, V)
+        logits = batch.to_all(verify(model, r.start, r.states, batch, cache))  # (B, k+1, V)
         with record_function("ee::accept"):
             scores = batch.process(logits_processor, logits, 0)
             if sample:

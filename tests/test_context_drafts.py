@@ -43,7 +43,7 @@ class LayerCalls:
 
     def __init__(self, model):
         layers = model.family.layers(model)
-        self.calls, self.positions = [0] * len(layers), [0] * len(layers)
+        self.calls, self.positions, self.rows = [0] * len(layers), [0] * len(layers), [[] for _ in layers]
         self.handles = [
             layer.register_forward_pre_hook(self._hook(j), with_kwargs=True) for j, layer in enumerate(layers)
         ]
@@ -53,6 +53,7 @@ class LayerCalls:
             hidden = args[0] if args else kwargs["hidden_states"]
             self.calls[j] += 1
             self.positions[j] += hidden.shape[0] * hidden.shape[1]
+            self.rows[j].append(hidden.shape[0])
 
         return hook
 
@@ -172,7 +173,9 @@ def test_accepted_context_drafts_save_full_steps(models, batch):
     rounds = len(out.draft_lengths)
     # a context round is ONE forward of every layer over the row's last token and its drafts: prefill + a call a round
     assert counter.calls == [1 + rounds] * LAYERS
-    assert counter.positions[0] == ids.numel() + batch * sum(k + 1 for k in out.draft_lengths.tolist())
+    rows = counter.rows[0][1:]  # after the prefill: rows that ended early leave the forward
+    assert counter.positions[0] == ids.numel() + sum(r * (k + 1) for r, k in zip(rows, out.draft_lengths.tolist()))
+    assert rows == sorted(rows, reverse=True) and rows[0] == batch
     # each round gives a row its accepted drafts plus one token, so full-depth forwards saved = drafts accepted
     if batch == 1:
         assert int(out.verify_rounds[0]) + int(out.accepted_tokens[0]) == new - 1  # the first token: prefill
@@ -304,3 +307,23 @@ def test_bench_lossless_refuses_bad_lookup_settings(value):
 
     with pytest.raises(ValueError, match="`lookup` takes N:G pairs"):
         LosslessConfig(lookup=[value])
+
+
+def test_rows_that_ended_leave_the_forward_and_the_rest_is_unchanged(models):
+    model, base = models("llama")
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 30, 41, 52, 63, 74, 85, 96], [5, 6, 7, 8, 5, 6, 7, 8]]
+    ids = torch.tensor(prompts)
+    counter = LayerCalls(model)
+    try:
+        out = model.generate(
+            ids, max_new_tokens=40, do_sample=False, prompt_lookup_num_tokens=3, return_dict_in_generate=True
+        )
+    finally:
+        counter.remove()
+    assert torch.equal(out.sequences, base.generate(ids, max_new_tokens=40, do_sample=False))
+    rounds = out.verify_rounds.tolist()
+    assert len(set(rounds)) > 1  # rows finished after different numbers of rounds
+    rows = counter.rows[LAYERS - 1][1:]
+    # a row that has ended is dropped once a quarter of the live rows have (here: at the first)
+    assert rows[: min(rounds)] == [3] * min(rounds) and rows[-1] < 3
+    assert sum(rows) == sum(rounds)  # every row of every forward was still going: none ran after its end

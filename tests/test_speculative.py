@@ -154,8 +154,9 @@ def test_shallow_layers_run_once_per_token_and_deep_layers_only_in_verification(
     prompt, exit_layer = ids.shape[1], 1
     rounds = out.draft_lengths.numel()
     fed = int((out.draft_lengths + 1).sum())  # each round feeds the last token and its drafts, once
-    for j in range(LAYERS):
-        assert counter.positions[j] == batch * (prompt + fed)  # every fed token once, in every layer
+    # every fed token once, in every layer (rows that ended early leave later forwards: RaggedBatch.retire)
+    assert len(set(counter.positions)) == 1 and counter.positions[0] <= batch * (prompt + fed)
+    assert batch > 1 or counter.positions[0] == prompt + fed
     assert counter.calls[: exit_layer + 1] == [1 + fed] * (exit_layer + 1)  # prefill + one call per fed token
     assert counter.calls[exit_layer + 1 :] == [1 + rounds] * (LAYERS - exit_layer - 1)  # prefill + one per round
     if batch == 1:  # fed = the tokens committed after the first (all but the last) + the rejected drafts
