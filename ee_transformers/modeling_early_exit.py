@@ -78,7 +78,7 @@ from .generation_early_exit import (
     resolve_exit_settings,
 )
 from .lean_early_exit import is_lean, set_exit_max_layer, shed_layers
-from .speculative_early_exit import speculation_requested, speculative_generate
+from .speculative_early_exit import speculation_requested, speculative_generate, stored_draft_settings
 
 logger = logging.get_logger(__name__)
 
@@ -375,6 +375,8 @@ class EarlyExitMixin(ExitHeadsMixin):
                 spec_streamer=kwargs.pop("streamer", None),
                 **kwargs,
             )
+        # stored draft settings the call turned off (confident exits or full depth asked): not transformers' either
+        kwargs.update(dict.fromkeys(stored_draft_settings(self, generation_config, kwargs)))
         values = merged_exit_values(self, generation_config, kwargs)
         settings = resolve_exit_settings(self.config, values)
         if settings is None and is_lean(self):  # lean, no exit settings: every token exits at exit_max_layer
@@ -416,7 +418,7 @@ class EarlyExitMixin(ExitHeadsMixin):
                 f"Early-exit decoding does not support beam search (`num_beams={given('num_beams')}`); "
                 "pass `early_exit=False` or `num_beams=1`."
             )
-        for name in ("assistant_model", "prompt_lookup_num_tokens", "custom_generate"):
+        for name in ("assistant_model", "custom_generate"):  # drafts with exits: `speculation_requested` refuses
             if given(name) is not None:
                 raise ValueError(f"Early-exit decoding cannot be combined with `{name}`; pass `early_exit=False`.")
         for name in ("output_hidden_states", "output_attentions"):

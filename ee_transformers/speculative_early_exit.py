@@ -77,20 +77,36 @@ def _requested(name, model, generation_config, kwargs):
     return next((getattr(c, name) for c in sources if getattr(c, name, None) is not None), None)
 
 
+def stored_draft_settings(model, generation_config, kwargs) -> list[str]:
+    """The draft settings (`DRAFT_SOURCES`) only `model.generation_config` sets, not this call."""
+    return [
+        n
+        for n in DRAFT_SOURCES
+        if n not in kwargs
+        and getattr(generation_config, n, None) is None
+        and getattr(model.generation_config, n, None) is not None
+    ]
+
+
 def speculation_requested(model, generation_config, kwargs) -> bool:
     """Whether `generate(generation_config=..., **kwargs)` decodes speculatively: `assistant_early_exit` (exit-head
     drafts) or `prompt_lookup_num_tokens` (context drafts) set in `kwargs`, `generation_config` or
-    `model.generation_config`. Raises a `ValueError` for what it cannot be combined with."""
+    `model.generation_config`. Settings of the call win over stored ones, as in transformers: confident-exit settings
+    in the call turn stored draft settings off, and stored confident-exit settings are not used with drafts. Raises a
+    `ValueError` for what one call cannot combine."""
     names = [n for n in DRAFT_SOURCES if _requested(n, model, generation_config, kwargs) is not None]
     if not names:
         return False
+    stored = stored_draft_settings(model, generation_config, kwargs)
     mode = " and ".join(f"`{n}`" for n in names)
 
-    def given(name):  # in this call (stored confident-exit defaults are not used by this mode)
+    def given(name):  # in this call
         return kwargs.get(name) is not None or getattr(generation_config, name, None) is not None
 
     for name in EXIT_ARGUMENTS:
         if given(name):
+            if set(names) <= set(stored):
+                return False  # the call asks for confident exits (or full depth): stored drafts give way
             raise ValueError(
                 f"{mode} cannot be combined with `{name}`: self-speculative decoding always decides at full "
                 "depth, confident exits stop early. Pass one or the other (stored confident-exit defaults are not "
@@ -820,5 +836,6 @@ __all__ = [
     "resolve_speculative_settings",
     "speculation_requested",
     "speculative_generate",
+    "stored_draft_settings",
     "verify",
 ]

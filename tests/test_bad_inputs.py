@@ -295,6 +295,21 @@ CASES = {
         2,
         "`--model` '{w}/nowhere' does not exist",
     ),
+    "bench-lossless: --model does not exist": (
+        lambda w: ["bench-lossless", "--model", str(w / "nowhere")],
+        2,
+        "`--model` '{w}/nowhere' does not exist",
+    ),
+    "bench-lossless: --lookup 4": (
+        lambda w: ["bench-lossless", "--model", str(w / "ee"), "--lookup", "4"],
+        2,
+        "`--lookup` takes N:G pairs of positive integers, e.g. 10:2, got '4'",
+    ),
+    "calibrate: --lossless --lookup-tokens 0": (
+        lambda w: calibrate_argv(w) + ["--lossless", "--lookup-tokens", "0"],
+        2,
+        "`--lookup-tokens` must be a non-empty list, each element an integer >= 1",
+    ),
     "bench-pool: --interval 0": (
         lambda w: ["bench-pool", "--interval", "0", "--out", str(w / "pool-out")],
         2,

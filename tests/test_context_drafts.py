@@ -327,3 +327,24 @@ def test_rows_that_ended_leave_the_forward_and_the_rest_is_unchanged(models):
     # a row that has ended is dropped once a quarter of the live rows have (here: at the first)
     assert rows[: min(rounds)] == [3] * min(rounds) and rows[-1] < 3
     assert sum(rows) == sum(rounds)  # every row of every forward was still going: none ran after its end
+
+
+def test_settings_of_the_call_win_over_stored_draft_settings(models):
+    model, base = models("llama")
+    ids, mask = padded_batch(batch=2)
+    model.generation_config.prompt_lookup_num_tokens = 3
+    try:
+        # confident exits asked in the call: they run (every token exits at layer 0), the stored drafts give way
+        out = model.generate(
+            ids, attention_mask=mask, max_new_tokens=6, exit_criterion="max_prob", exit_threshold=0.0,
+            exit_check_layers=[0], return_dict_in_generate=True,
+        )  # fmt: skip
+        assert set(out.exit_layers.unique().tolist()) == {0}
+        # full depth asked: plain greedy at batch 2 (transformers' own prompt lookup would refuse batch 2)
+        plain = model.generate(ids, attention_mask=mask, max_new_tokens=6, early_exit=False)
+        assert torch.equal(plain, base.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False))
+        # both in one call: refused
+        with pytest.raises(ValueError, match="cannot be combined with `exit_threshold`"):
+            model.generate(ids, attention_mask=mask, max_new_tokens=6, prompt_lookup_num_tokens=2, exit_threshold=0.5)
+    finally:
+        model.generation_config.prompt_lookup_num_tokens = None

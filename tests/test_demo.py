@@ -52,7 +52,7 @@ def test_final_screen_shows_full_depth_when_stored_and_the_setting_calibration_t
     lines = gains(model, plain, prompts, _report(chosen=False), [1, 2], new_tokens=6, quick=True)
     table = [line for line in lines[2:] if line.startswith("| ")]
     rows = {(c[0], c[1]): c for c in ([x.strip() for x in line.strip("|").split("|")] for line in table)}
-    assert len(rows) == 8, "full depth, stored, closest, self-speculative at each batch size"
+    assert len(rows) == 8, "full depth, stored, closest, self-speculative at each batch size"  # lossless=None
     assert rows["full depth", "1"][3:6] == ["1.000", "1.000", "6.0"]
     assert rows["calibrated (stored)", "1"][2] == "= full depth"
     closest = rows["closest setting (not stored)", "1"]
@@ -72,3 +72,23 @@ def test_final_screen_shows_the_stored_setting_with_calibrations_measured_speed(
     lines = gains(model, plain, bench.random_prompts(99, 2, window=6), _report(chosen=True), [1], 6, quick=True)
     stored = next(line for line in lines if line.startswith("| calibrated (stored) | 1 |"))
     assert "0.98x (lower quartile 0.95x)" in stored and not any("closest setting" in line for line in lines)
+
+
+def test_final_screen_times_the_lossless_setting_and_transformers_prompt_lookup(base_dirs):
+    from ee_transformers.tools.demo import gains
+    from ee_transformers.training import calibrate_lossless as lossless
+
+    model = model_with(base_dirs, seed=5)
+    plain = bench.plain_twin(model)
+    prompts = bench.random_prompts(99, 2, window=6)
+    config = lossless.LosslessCalibrationConfig(batch_sizes=[1, 2], lookup_tokens=[2], ngram_sizes=[3], num_prompts=2)
+    config.new_tokens = 6
+    report = lossless.calibrate_lossless(model, plain, prompts, config, log=lambda *_: None)
+    lines = gains(model, plain, prompts, _report(chosen=False), [1, 2], new_tokens=6, quick=True, lossless=report)
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines if line.startswith("| ")]
+    ours = [r for r in rows if r[0].startswith("lossless: context drafts")]
+    theirs = [r for r in rows if r[0] == "transformers' prompt lookup"]
+    assert [r[1] for r in ours] == ["1", "2"] and [r[1] for r in theirs] == ["1"]  # transformers refuses batch 2
+    assert all(r[3:5] == ["1.000", "1.000"] and "x (sum " in r[2] for r in ours + theirs)
+    stored = "stored" if report["chosen"] else "not stored"
+    assert all(f"({stored}" in r[0] for r in ours) and "prompt_lookup_num_tokens=2" in ours[0][-1]

@@ -7,10 +7,13 @@
 4. calibrate a criterion and thresholds to a per-token agreement target on held-out text (the first half of "Sense
    and Sensibility" and a later slice of the manual), cost-aware, and measure the choice against full depth: exits
    stay on only if they are faster on this machine;
+4'. calibrate the lossless mode on the same calibration text: context drafts (`prompt_lookup_num_tokens`) timed
+   against full depth at every batch size, stored in `generation_config.json` if faster at every one;
 5. save the Hub-ready folder, then decode other held-out prompts (the second half of "Sense and Sensibility" and the
    manual's 80-88% slice: the benchmark's prompts) in every mode and show each against full depth on one screen:
-   the calibrated setting, lossless self-speculation, the lean HELIOS model and the HELIOS pool of two models whose
-   heads were fitted on one domain each, on the mixed prompts.
+   the calibrated setting, lossless self-speculation from an exit, lossless context drafts (ours at every batch size,
+   transformers' prompt lookup at batch 1), the lean HELIOS model and the HELIOS pool of two models whose heads were
+   fitted on one domain each, on the mixed prompts.
 """
 
 import argparse
@@ -173,10 +176,12 @@ def _run(args):
     else:
         model, report, fit_summary = _fit_and_calibrate(args, spec, exit_layers, model_dir, novels, python_docs, output)
     tokenizer = model.tokenizer
+    plain = bench.plain_twin(model)
+    calibration_texts = _calibration_texts(novels, python_docs, args.max_chars)
+    lossless = _calibrate_lossless(model, plain, calibration_texts, args)
 
     print("== 5. what early exit gains you: every mode against full depth (held-out prompts, this machine)")
     stage = time.perf_counter()
-    plain = bench.plain_twin(model)
     prompts = bench.heldout_prompts(tokenizer, num_prompts=args.prompts)
     lines = gains(
         model,
@@ -186,9 +191,10 @@ def _run(args):
         batch_sizes,
         args.new_tokens,
         quick=args.quick,
-        calibration_texts=_calibration_texts(novels, python_docs, args.max_chars),
+        calibration_texts=calibration_texts,
         folder=out,
         pool=_PoolSpec(model_dir, novels, python_docs, args) if args.pool_steps else None,
+        lossless=lossless,
     )
     table = "\n".join(lines)
     print(table)
@@ -198,11 +204,14 @@ def _run(args):
         "folder": out,
         "fit": {k: v for k, v in fit_summary.items() if k not in ("history", "card")},
         "calibration": {k: report.get(k) for k in ("chosen", "heldout_B", "on_policy_B", "speed", "message")},
+        "lossless_calibration": {k: lossless.get(k) for k in ("chosen", "closest", "message")},
         "gains": table,
         "minutes": round((time.perf_counter() - started) / 60, 1),
     }
     # the card's evaluation and the summary: an in-place update of the saved folder (the model files are carried)
     with OutputFolder(out, carry_from=out).writing("demo") as folder:
+        model.generation_config.save_pretrained(folder)  # with the lossless setting calibration stored
+        Path(folder, "calibration_lossless.json").write_text(json.dumps(bench.jsonable(lossless), indent=1))
         write_model_card(
             model,
             folder,
@@ -237,6 +246,30 @@ def _fit_summary_card(fit, spec):
 
 def _minutes(since):
     return round((time.perf_counter() - since) / 60, 1)
+
+
+def _calibrate_lossless(model, plain, calibration_texts, args):
+    """Stage 4': the lossless setting (context drafts) chosen by measured speed on the calibration prompts (not the
+    final screen's), stored in the model's generation config when it beats full depth at every batch size."""
+    from ee_transformers.tools import bench
+    from ee_transformers.training import calibrate_lossless as lossless
+
+    stage = time.perf_counter()
+    print("== 4'. lossless calibration: context drafts timed against full depth (calibration prompts)")
+    config = lossless.LosslessCalibrationConfig(
+        batch_sizes=list(args.batch_sizes),
+        lookup_tokens=[2] if args.quick else [2, 4],
+        ngram_sizes=[3],
+        num_prompts=min(args.prompts, 4),
+        new_tokens=args.new_tokens,
+    )
+    texts = dict(zip(("austen", "python"), calibration_texts))
+    prompts = bench.heldout_prompts(model.tokenizer, texts=texts, num_prompts=config.num_prompts, seed=1)
+    report = lossless.calibrate_lossless(model, plain, prompts, config, log=lambda *_: None)
+    lossless.apply_lossless_calibration(model, report)
+    model.card_data = {**(model.card_data or {}), "lossless calibration": lossless.lossless_calibration_card(report)}
+    print(f"   {report['message']} ({_minutes(stage)} min)")
+    return report
 
 
 def _calibration_texts(novels, python_docs, max_chars):
@@ -310,7 +343,17 @@ def _gib(n):
 
 
 def gains(
-    model, plain, prompts, report, batch_sizes, new_tokens, quick=False, calibration_texts=None, folder=None, pool=None
+    model,
+    plain,
+    prompts,
+    report,
+    batch_sizes,
+    new_tokens,
+    quick=False,
+    calibration_texts=None,
+    folder=None,
+    pool=None,
+    lossless=None,
 ):
     """The main job's final screen: full depth, the stored (calibrated) setting, lossless self-speculation and the
     lean HELIOS model, each with its measured speed against full depth and the quality measures, one line of meaning
@@ -389,6 +432,8 @@ def gains(
             weights,
             "lossless: the same text as full depth by construction",
         )
+    if lossless is not None:
+        _lossless_rows(model, plain, prompts, lossless, batch_sizes, new_tokens, weights, row, reference)
     if calibration_texts and folder and (report.get("chosen") or closest is not None):
         settings = {} if report.get("chosen") else _setting(report, closest)
         lines += _lean_lines(model, reference, folder, batch_sizes[-1], config, calibration_texts, settings)
@@ -403,6 +448,37 @@ def gains(
         "run).",
     ]
     return lines
+
+
+def _lossless_rows(model, plain, prompts, lossless, batch_sizes, new_tokens, weights, row, reference):
+    """Adds (through `row`) the lossless rows: transformers' prompt lookup (batch 1; it refuses more) and ours with
+    the setting lossless calibration stored (or came closest with), timed on the final screen's prompts, not
+    calibration's."""
+    from ee_transformers.tools import bench
+    from ee_transformers.tools.bench.lossless import measure_rows
+    from ee_transformers.tools.bench.timing import greedy_generation_config, without_eos
+
+    setting = lossless["chosen"] or lossless["closest"]["kwargs"]
+    shown = ", ".join(f"{k}={v}" for k, v in setting.items())
+    tuned = dict(prompt_lookup_num_tokens=4, max_matching_ngram_size=3)  # its best setting on SmolLM2 (BENCHMARKS 5)
+    with without_eos(model, plain), torch.no_grad():
+        config = greedy_generation_config(plain, new_tokens, clear_exit_settings=True)
+        for b in batch_sizes:
+            rows = [dict(name="ours", who="ours", kwargs=setting)]
+            if b == 1:
+                rows.append(dict(name="transformers", who="transformers", kwargs=tuned))
+            batches = bench.make_batches(prompts, b, max(1, len(prompts) // b), device=model.device)
+            q_full = _quality(plain, reference, b, {})
+            for r in measure_rows(model, plain, batches, rows, config, 1, log=lambda *_: None):
+                if not r["identical"]:
+                    raise AssertionError(f"{r['who']} prompt lookup did not reproduce full depth at batch {b}.")
+                stored = "stored" if lossless["chosen"] else "not stored: slower than full depth somewhere"
+                mode, meaning = (
+                    (f"lossless: context drafts ({stored})", f"`{shown}`: the same text as full depth")
+                    if r["who"] == "ours"
+                    else ("transformers' prompt lookup", "`prompt_lookup_num_tokens=4, max_matching_ngram_size=3`")
+                )
+                row(mode, b, f"{r['median']:.2f}x (sum {r['speedup']:.2f}x)", q_full, weights, meaning)
 
 
 def _setting(report, tried):

@@ -63,14 +63,16 @@ def default_text_files():
     return {"austen": (novel, HELDOUT_REGIONS["austen"]), "python": (text["python"][0], HELDOUT_REGIONS["python"])}
 
 
-def heldout_prompts(tokenizer, files=None, num_prompts=16, window=64, seed=0):
+def heldout_prompts(tokenizer, files=None, num_prompts=16, window=64, seed=0, texts=None):
     """`num_prompts` windows of `window` tokens, alternating between domains, from held-out text.
 
     files: None (the default held-out regions of `assets.fetch_text()`), or paths of text files (domain = file name,
-    the whole file is used). Windows start at evenly spaced points of each region (shifted by `seed`), at a word
-    boundary. Returns a list of `{"domain": str, "ids": [int] * window}`.
+    the whole file is used); texts: `{domain: text}` instead of files. Windows start at evenly spaced points of each
+    region (shifted by `seed`), at a word boundary. Returns a list of `{"domain": str, "ids": [int] * window}`.
     """
-    if files is None:
+    if texts is not None:
+        sources = {domain: (None, (0.0, 1.0)) for domain in texts}
+    elif files is None:
         sources = default_text_files()
     else:
         sources = {Path(f).stem: (f, (0.0, 1.0)) for f in files}
@@ -81,7 +83,7 @@ def heldout_prompts(tokenizer, files=None, num_prompts=16, window=64, seed=0):
     for (domain, (path, (lo, hi))), count in zip(sources.items(), counts):
         if count == 0:  # more files than prompts asked for
             continue
-        text = Path(path).read_text(encoding="utf-8", errors="replace")
+        text = texts[domain] if texts is not None else Path(path).read_text(encoding="utf-8", errors="replace")
         start, stop = int(lo * len(text)), int(hi * len(text))
         chunk = 12 * window  # characters: comfortably more than `window` tokens of English
         span = max(stop - start - chunk, 1)
@@ -96,7 +98,7 @@ def heldout_prompts(tokenizer, files=None, num_prompts=16, window=64, seed=0):
             if len(ids) == window:
                 windows.append(ids)
         if not windows:
-            raise ValueError(f"No {window}-token window found in `{path}`.")
+            raise ValueError(f"No {window}-token window found in `{path or domain}`.")
         per_domain[domain] = windows
     prompts = []
     for k in range(max(len(w) for w in per_domain.values())):

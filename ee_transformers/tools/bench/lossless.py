@@ -20,6 +20,7 @@ was token for token the plain greedy output (asserted after the report is writte
 Python API: `LosslessConfig`, `lossless_rows`, `measure_rows`, `run_lossless`, `format_lossless`, `main`.
 """
 
+import copy
 import json
 import statistics
 import time
@@ -30,7 +31,6 @@ import torch
 
 from ee_transformers.tools.arguments import (
     ArgumentParser,
-    InputError,
     add_config_arguments,
     check_fields,
     config_from_args,
@@ -94,9 +94,11 @@ def lossless_rows(config: LosslessConfig) -> list[dict]:
 
 
 def _timed(model, ids, mask, generation_config, kwargs):
+    config = copy.deepcopy(generation_config)
+    config.update(**kwargs)  # one config, not a config and arguments (transformers deprecates mixing them)
     start = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, generation_config=generation_config, **kwargs)
+        out = model.generate(ids, attention_mask=mask, generation_config=config)
     return time.perf_counter() - start, out
 
 
@@ -168,6 +170,9 @@ def run_lossless(ee, plain, prompts, config: LosslessConfig, log=print) -> dict:
 
 
 def format_lossless(report: dict) -> str:
+    def per_forward(r):  # transformers' assisted loop does not report its rounds
+        return f"{r['tokens_per_forward']:.2f}" if r["who"] == "ours" else "-"
+
     lines = [
         "| batch | mode | who | speed-up (sum) | median (min-max) | tokens / full forward | identical |",
         "|---|---|---|---|---|---|---|",
@@ -175,7 +180,7 @@ def format_lossless(report: dict) -> str:
     for r in report["results"]:
         lines.append(
             f"| {r['batch_size']} | {r['name']} | {r['who']} | **{r['speedup']:.2f}x** | {r['median']:.2f}x "
-            f"({r['low']:.2f}-{r['high']:.2f}) | {r['tokens_per_forward']:.2f} | {'yes' if r['identical'] else 'NO'} |"
+            f"({r['low']:.2f}-{r['high']:.2f}) | {per_forward(r)} | {'yes' if r['identical'] else 'NO'} |"
         )
     plain = {r["batch_size"]: r["plain_ms_per_token"] for r in report["results"]}
     lines.append("")
@@ -186,9 +191,11 @@ def format_lossless(report: dict) -> str:
 def _run(args):
     from transformers import AutoTokenizer
 
+    from ee_transformers.convert import check_weights, read_config
+
     config = config_from_args(LosslessConfig, args)
-    if not Path(args.model).is_dir():
-        raise InputError(f"`--model` must be a model folder, got {args.model!r}.")
+    read_config(args.model, "--model")
+    check_weights(args.model, "--model")
     exit_layers = sorted({e - 1 for e in config.exits or []}) or [0]
     ee, plain = load_models(args.model, exit_layers=exit_layers)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
