@@ -8,6 +8,7 @@ Part of the Hub runtime: imports only torch, transformers and its siblings (flat
 copies these files next to the weights and `trust_remote_code=True` loads them without this package.
 """
 
+import copy
 import json
 import os
 from dataclasses import dataclass
@@ -376,7 +377,11 @@ class EarlyExitMixin(ExitHeadsMixin):
                 **kwargs,
             )
         # stored draft settings the call turned off (confident exits or full depth asked): not transformers' either
-        kwargs.update(dict.fromkeys(stored_draft_settings(self, generation_config, kwargs)))
+        turned_off = stored_draft_settings(self, generation_config, kwargs)
+        if turned_off:
+            generation_config = copy.deepcopy(generation_config or self.generation_config)
+            for name in turned_off:
+                setattr(generation_config, name, None)
         values = merged_exit_values(self, generation_config, kwargs)
         settings = resolve_exit_settings(self.config, values)
         if settings is None and is_lean(self):  # lean, no exit settings: every token exits at exit_max_layer

@@ -445,7 +445,7 @@ def gains(
         "Speed: paired, interleaved ratios of decode time per token against full depth on the "
         "same weights (median; calibrated and closest: calibration's own measurement, with its lower quartile; "
         "the pool's rows: new tokens per second over the whole generate, interleaved with full depth in the same "
-        "run).",
+        "run; the lossless context-draft rows: whole generates, paired with full depth, median and summed).",
     ]
     return lines
 
