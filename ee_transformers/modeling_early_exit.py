@@ -8,7 +8,6 @@ Part of the Hub runtime: imports only torch, transformers and its siblings (flat
 copies these files next to the weights and `trust_remote_code=True` loads them without this package.
 """
 
-import copy
 import json
 import os
 from dataclasses import dataclass
@@ -377,11 +376,8 @@ class EarlyExitMixin(ExitHeadsMixin):
                 **kwargs,
             )
         # stored draft settings the call turned off (confident exits or full depth asked): not transformers' either
-        turned_off = stored_draft_settings(self, generation_config, kwargs)
-        if turned_off:
-            generation_config = copy.deepcopy(generation_config or self.generation_config)
-            for name in turned_off:
-                setattr(generation_config, name, None)
+        # (as kwargs: transformers refills a passed config's unset fields from `self.generation_config`)
+        kwargs.update(dict.fromkeys(stored_draft_settings(self, generation_config, kwargs)))
         values = merged_exit_values(self, generation_config, kwargs)
         settings = resolve_exit_settings(self.config, values)
         if settings is None and is_lean(self):  # lean, no exit settings: every token exits at exit_max_layer
