@@ -225,3 +225,30 @@ def chi_square_p(a, b, min_count=10):
     ea, eb = total * ca.sum() / total.sum(), total * cb.sum() / total.sum()
     stat = ((ca - ea) ** 2 / ea + (cb - eb) ** 2 / eb).sum()
     return float(torch.special.gammaincc(torch.tensor((len(total) - 1) / 2, dtype=torch.float64), stat / 2))
+
+
+class LayerCalls:
+    """Per decoder layer: calls, positions run (rows x query tokens), rows run (summed) and the rows of each call
+    (`call_rows`); forward pre-hooks, `remove()` takes them off."""
+
+    def __init__(self, model):
+        layers = model.family.layers(model)
+        self.calls, self.positions, self.rows = [0] * len(layers), [0] * len(layers), [0] * len(layers)
+        self.call_rows = [[] for _ in layers]
+        self.handles = [
+            layer.register_forward_pre_hook(self._hook(j), with_kwargs=True) for j, layer in enumerate(layers)
+        ]
+
+    def _hook(self, j):
+        def hook(module, args, kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            self.calls[j] += 1
+            self.positions[j] += hidden.shape[0] * hidden.shape[1]
+            self.rows[j] += hidden.shape[0]
+            self.call_rows[j].append(hidden.shape[0])
+
+        return hook
+
+    def remove(self):
+        for handle in self.handles:
+            handle.remove()

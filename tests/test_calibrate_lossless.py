@@ -37,6 +37,11 @@ def _fake_speed(monkeypatch, speed):
     monkeypatch.setattr(lossless, "measure_rows", measured)
 
 
+def _calibrate(model):
+    config = lossless.LosslessCalibrationConfig(**SMALL)
+    return lossless.calibrate_lossless(model, plain_twin(model), random_prompts(99, 2, 8), config, log=lambda *_: None)
+
+
 def test_candidates_cover_every_source_and_count():
     config = lossless.LosslessCalibrationConfig(lookup_tokens=[2, 4], ngram_sizes=[3], exits=[2])
     names = [sorted(k) for k in lossless.lossless_candidates(config)]
@@ -55,13 +60,7 @@ def test_the_best_worst_case_is_stored_and_used_by_a_plain_generate(folder, monk
     model = eet.from_base(path).eval()
     # N=2 is fast at batch 1 and slow at batch 2; N=1 a little faster than full depth at both: N=1 is chosen
     _fake_speed(monkeypatch, lambda k, b: {(2, 1): 1.6, (2, 2): 0.9}.get((k["prompt_lookup_num_tokens"], b), 1.1))
-    report = lossless.calibrate_lossless(
-        model,
-        plain_twin(model),
-        random_prompts(99, 2, 8),
-        lossless.LosslessCalibrationConfig(**SMALL),
-        log=lambda *_: None,
-    )
+    report = _calibrate(model)
     assert report["chosen"] == {"prompt_lookup_num_tokens": 1, "max_matching_ngram_size": 2}
     assert {c["worst"] for c in report["candidates"]} == {1.1, 0.9}
     lossless.apply_lossless_calibration(model, report)
@@ -80,13 +79,7 @@ def test_nothing_is_stored_when_no_setting_beats_full_depth_everywhere(folder, m
     model = eet.from_base(path).eval()
     model.generation_config.prompt_lookup_num_tokens = 3  # a stale stored setting is cleared
     _fake_speed(monkeypatch, lambda k, b: 1.3 if b == 1 else 0.95)
-    report = lossless.calibrate_lossless(
-        model,
-        plain_twin(model),
-        random_prompts(99, 2, 8),
-        lossless.LosslessCalibrationConfig(**SMALL),
-        log=lambda *_: None,
-    )
+    report = _calibrate(model)
     assert report["chosen"] is None and "no lossless setting beat full depth" in report["message"]
     lossless.apply_lossless_calibration(model, report)
     assert model.generation_config.prompt_lookup_num_tokens is None

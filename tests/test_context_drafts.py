@@ -3,7 +3,7 @@ any batch size."""
 
 import pytest
 import torch
-from conftest import chi_square_p, make_base, padded_batch
+from conftest import LayerCalls, chi_square_p, make_base, padded_batch
 
 import ee_transformers as eet
 import ee_transformers.speculative_early_exit as spec
@@ -36,30 +36,6 @@ def models(base_dirs):
 
 def _sliding(base):
     return getattr(base.config, "sliding_window", None) and getattr(base.config, "use_sliding_window", True)
-
-
-class LayerCalls:
-    """Calls and positions (rows x query tokens) per decoder layer."""
-
-    def __init__(self, model):
-        layers = model.family.layers(model)
-        self.calls, self.positions, self.rows = [0] * len(layers), [0] * len(layers), [[] for _ in layers]
-        self.handles = [
-            layer.register_forward_pre_hook(self._hook(j), with_kwargs=True) for j, layer in enumerate(layers)
-        ]
-
-    def _hook(self, j):
-        def hook(module, args, kwargs):
-            hidden = args[0] if args else kwargs["hidden_states"]
-            self.calls[j] += 1
-            self.positions[j] += hidden.shape[0] * hidden.shape[1]
-            self.rows[j].append(hidden.shape[0])
-
-        return hook
-
-    def remove(self):
-        for handle in self.handles:
-            handle.remove()
 
 
 # --- the drafts ------------------------------------------------------------------------------------------------------
@@ -173,7 +149,7 @@ def test_accepted_context_drafts_save_full_steps(models, batch):
     rounds = len(out.draft_lengths)
     # a context round is ONE forward of every layer over the row's last token and its drafts: prefill + a call a round
     assert counter.calls == [1 + rounds] * LAYERS
-    rows = counter.rows[0][1:]  # after the prefill: rows that ended early leave the forward
+    rows = counter.call_rows[0][1:]  # after the prefill: rows that ended early leave the forward
     assert counter.positions[0] == ids.numel() + sum(r * (k + 1) for r, k in zip(rows, out.draft_lengths.tolist()))
     assert rows == sorted(rows, reverse=True) and rows[0] == batch
     # each round gives a row its accepted drafts plus one token, so full-depth forwards saved = drafts accepted
@@ -323,7 +299,7 @@ def test_rows_that_ended_leave_the_forward_and_the_rest_is_unchanged(models):
     assert torch.equal(out.sequences, base.generate(ids, max_new_tokens=40, do_sample=False))
     rounds = out.verify_rounds.tolist()
     assert len(set(rounds)) > 1  # rows finished after different numbers of rounds
-    rows = counter.rows[LAYERS - 1][1:]
+    rows = counter.call_rows[LAYERS - 1][1:]
     # a row that has ended is dropped once a quarter of the live rows have (here: at the first)
     assert rows[: min(rounds)] == [3] * min(rounds) and rows[-1] < 3
     assert sum(rows) == sum(rounds)  # every row of every forward was still going: none ran after its end

@@ -8,7 +8,7 @@ never run; a batch row == its prompt alone.
 
 import pytest
 import torch
-from conftest import cached, cut_at_exit, own_kv, padded_batch
+from conftest import LayerCalls, cached, cut_at_exit, own_kv, padded_batch
 from transformers.generation.streamers import BaseStreamer
 
 import ee_transformers as eet
@@ -29,28 +29,7 @@ def ee_model(base_dirs, family="llama", exit_layers=(0, 1, 2), perturb=True):
     return model
 
 
-class LayerCounter:
-    """Counts, per decoder layer, the calls and the rows they ran for."""
-
-    def __init__(self, model):
-        layers = model.family.layers(model)
-        self.calls = [0] * len(layers)
-        self.rows = [0] * len(layers)
-        self.handles = [
-            layer.register_forward_pre_hook(self._hook(j), with_kwargs=True) for j, layer in enumerate(layers)
-        ]
-
-    def _hook(self, j):
-        def hook(module, args, kwargs):
-            hidden = args[0] if args else kwargs["hidden_states"]
-            self.calls[j] += 1
-            self.rows[j] += hidden.shape[0]
-
-        return hook
-
-    def remove(self):
-        for handle in self.handles:
-            handle.remove()
+LayerCounter = LayerCalls  # calls and rows run per decoder layer (conftest)
 
 
 def scripted_heads(model, per_exit):

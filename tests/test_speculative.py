@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import chi_square_p, make_base, padded_batch
+from conftest import LayerCalls, chi_square_p, make_base, padded_batch
 from test_generate import Collect, ee_model
 from transformers import StoppingCriteria, StoppingCriteriaList
 
@@ -26,29 +26,6 @@ def speculative(model, ids, mask=None, drafters=2, k=3, **kwargs):
         return_dict_in_generate=True,
         **kwargs,
     )
-
-
-class PositionCounter:
-    """Per decoder layer: calls, and positions run (query tokens x rows)."""
-
-    def __init__(self, model):
-        layers = model.family.layers(model)
-        self.calls, self.positions = [0] * len(layers), [0] * len(layers)
-        self.handles = [
-            layer.register_forward_pre_hook(self._hook(j), with_kwargs=True) for j, layer in enumerate(layers)
-        ]
-
-    def _hook(self, j):
-        def hook(module, args, kwargs):
-            hidden = args[0] if args else kwargs["hidden_states"]
-            self.calls[j] += 1
-            self.positions[j] += hidden.shape[0] * hidden.shape[1]
-
-        return hook
-
-    def remove(self):
-        for handle in self.handles:
-            handle.remove()
 
 
 # --- greedy: identical to full depth ----------------------------------------------------------------------------------
@@ -148,7 +125,7 @@ def test_gaps_in_the_cache_are_compacted_away_exactly(base_dirs, monkeypatch, ca
 def test_shallow_layers_run_once_per_token_and_deep_layers_only_in_verification(base_dirs, batch):
     model = ee_model(base_dirs, "qwen3")
     ids, mask = padded_batch(batch=batch)
-    counter = PositionCounter(model)
+    counter = LayerCalls(model)
     out = speculative(model, ids, mask, drafters=2, k=3, max_new_tokens=12, **NEVER_STOP)
     counter.remove()
     prompt, exit_layer = ids.shape[1], 1
@@ -170,7 +147,7 @@ def test_shallow_layers_run_once_per_token_and_deep_layers_only_in_verification(
 def test_forced_full_acceptance_accepts_every_draft(base_dirs, cache_implementation):
     model = pass_through_above(ee_model(base_dirs, "mistral"), exit_layer=1)
     ids, mask = padded_batch(batch=3)
-    counter = PositionCounter(model)
+    counter = LayerCalls(model)
     out = speculative(
         model, ids, mask, drafters=2, k=3, max_new_tokens=13, cache_implementation=cache_implementation, **NEVER_STOP
     )
