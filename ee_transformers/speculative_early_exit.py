@@ -655,7 +655,7 @@ def _plan(settings, batch, active, budgets, capacity, cache):
     else:
         context, counts = batch.tokens.new_zeros(batch.batch_size, 0), torch.zeros_like(room)
     use_exit = settings.exit_layer is not None and bool((active & (counts == 0)).any())
-    k = int(counts.max()) if use_exit else _context_width(batch, active, counts, settings.lookup_tokens)
+    k = int(counts.max())
     if use_exit:
         k = max(k, min(int(budgets["exit"][active].max()), int(room.max())))
     batch.retire(cache, active)
@@ -664,17 +664,6 @@ def _plan(settings, batch, active, budgets, capacity, cache):
     if capacity > 0:
         k = max(min(k, capacity - batch.slots.shape[1] - 1), 0)
     return context, counts.clamp(max=k), k, use_exit
-
-
-def _context_width(batch, active, counts, lookup_tokens):
-    """How many context drafts every row is fed this round. A batch decodes until its slowest row has its tokens, and
-    wider rounds cost more for every row, so the width is set by the rows at the back (at most `lookup_tokens` behind
-    the slowest active row): when none of them has a match the round is one plain step, and rows ahead of them take
-    drafts only up to that width."""
-    if not bool(active.any()):
-        return 0
-    back = active & (batch.length <= int(batch.length[active].min()) + lookup_tokens)
-    return int((counts * back).max())
 
 
 def _draft(model, settings, batch, cache, active, budgets, capacity, logits_processor, sample):
