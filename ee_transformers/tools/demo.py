@@ -722,5 +722,8 @@ def _show_sample(model, plain, tokenizer, ids, new_tokens, exit_kwargs):
     ee = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, return_dict_in_generate=True, **exit_kwargs)
     print("   prompt:     ...", tokenizer.decode(ids[-24:]).replace("\n", " "))
     print("   full depth: ", tokenizer.decode(full[0, len(ids) :]).replace("\n", " "))
-    print("   early exit: ", tokenizer.decode(ee.sequences[0, len(ids) :]).replace("\n", " "))
-    print("   exit layers:", ee.exit_layers[0].tolist())
+    print("   stored mode:", tokenizer.decode(ee.sequences[0, len(ids) :]).replace("\n", " "))
+    if getattr(ee, "verify_rounds", None) is not None:  # lossless: every token decided at full depth
+        print(f"   full-depth forwards: {int(ee.verify_rounds[0])} for {ee.sequences.shape[1] - len(ids) - 1} tokens")
+    else:
+        print("   exit layers:", ee.exit_layers[0].tolist())
