@@ -425,9 +425,11 @@ def test_kept_states_follow_each_row_under_the_row_policy(base_dirs):
             return_dict_in_generate=True,
         )
         kept[name] = (out.sequences, out.cache.pending[0].states)
-    # rows 0 and 2 ran to layer 1 both times: their kept states do not depend on row 1
+    # rows 0 and 2 ran to layer 1 both times: their kept states do not depend on row 1 (up to fp32 rounding: after
+    # row 1 exits they run in a 2-row batch instead of 3, and the CPU's matrix kernels block 2 and 3 rows differently;
+    # seen here: 4e-9 apart)
     for row in (0, 2):
-        torch.testing.assert_close(kept["row 1 exits at 0"][1][row], kept["all greedy"][1][row], rtol=0, atol=0)
+        torch.testing.assert_close(kept["row 1 exits at 0"][1][row], kept["all greedy"][1][row], rtol=1e-5, atol=1e-6)
     # row 1 exited at layer 0 from its second token on: its kept states there are the stream leaving layer 0
     sequences = kept["row 1 exits at 0"][0][1:2, :-1]
     row_mask = torch.cat([mask[1:2], torch.ones(1, 3, dtype=mask.dtype)], dim=1)
