@@ -324,3 +324,22 @@ def test_settings_of_the_call_win_over_stored_draft_settings(models):
             model.generate(ids, attention_mask=mask, max_new_tokens=6, prompt_lookup_num_tokens=2, exit_threshold=0.5)
     finally:
         model.generation_config.prompt_lookup_num_tokens = None
+
+
+def test_benchmarks_time_only_the_draft_sources_a_row_names(models):
+    from ee_transformers.tools.bench.timing import only_these_drafts
+
+    model, _ = models("llama")
+    ids = torch.tensor([[5, 6, 7, 5, 6, 7, 5, 6]])
+    model.generation_config.prompt_lookup_num_tokens = 3
+    try:
+        kwargs = dict(max_new_tokens=10, return_dict_in_generate=True, assistant_confidence_threshold=0.0)
+        # transformers' semantics: a stored setting the call leaves unset joins in
+        both = model.generate(ids, assistant_early_exit=2, **kwargs)
+        assert int(both.context_draft_tokens.sum()) > 0
+        # a benchmark row that names exit drafts times exit drafts only
+        exit_only = model.generate(ids, **only_these_drafts(dict(assistant_early_exit=2)), **kwargs)
+        assert int(exit_only.context_draft_tokens.sum()) == 0 and int(exit_only.draft_tokens.sum()) > 0
+        assert only_these_drafts({"exit_threshold": 0.5}) == {"exit_threshold": 0.5}  # no drafts named: unchanged
+    finally:
+        model.generation_config.prompt_lookup_num_tokens = None

@@ -40,7 +40,7 @@ from transformers import DynamicCache
 
 from ee_transformers.tools.arguments import run_command
 from ee_transformers.tools.bench import heldout_prompts, load_models, make_batches, plain_twin, random_prompts
-from ee_transformers.tools.bench.timing import greedy_generation_config, without_eos
+from ee_transformers.tools.bench.timing import greedy_generation_config, only_these_drafts, without_eos
 
 __all__ = [
     "ForcedDraftHead",
@@ -229,6 +229,7 @@ def _ours(model, batch, config, new_tokens):
         num_assistant_tokens=config["k"],
         assistant_confidence_threshold=config["threshold"],
     )
+    settings = only_these_drafts(settings)  # a folder's stored context drafts do not join in
     return lambda: model.generate(ids, attention_mask=mask, generation_config=_greedy(model, new_tokens), **settings)
 
 

@@ -37,7 +37,7 @@ from ee_transformers.tools.arguments import (
     run_command,
 )
 from ee_transformers.tools.bench.loading import heldout_prompts, load_models, make_batches
-from ee_transformers.tools.bench.timing import greedy_generation_config, without_eos
+from ee_transformers.tools.bench.timing import greedy_generation_config, only_these_drafts, without_eos
 
 __all__ = ["LosslessConfig", "format_lossless", "lossless_rows", "main", "measure_rows", "run_lossless"]
 
@@ -96,9 +96,10 @@ def lossless_rows(config: LosslessConfig) -> list[dict]:
 def _timed(model, ids, mask, generation_config, kwargs):
     config = copy.deepcopy(generation_config)
     config.update(**kwargs)  # one config, not a config and arguments (transformers deprecates mixing them)
+    off = {k: v for k, v in only_these_drafts(kwargs).items() if v is None}  # stored draft settings not asked for
     start = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, generation_config=config)
+        out = model.generate(ids, attention_mask=mask, generation_config=config, **off)
     return time.perf_counter() - start, out
 
 

@@ -108,6 +108,14 @@ class _PrefillTimer:
         self.handle.remove()
 
 
+def only_these_drafts(kwargs) -> dict:
+    """generate() arguments that ask for exactly the draft sources in `kwargs` (when they name any): the others as
+    explicit None, since transformers refills a passed config's unset fields from the model's stored ones."""
+    if not any(name in kwargs for name in DRAFT_SOURCES):
+        return dict(kwargs)
+    return {**dict.fromkeys(DRAFT_SOURCES), **kwargs}
+
+
 @torch.no_grad()
 def _timed_generate(model, batch, new_tokens, kwargs):
     """One greedy generate. Returns (total seconds, prefill seconds, new tokens, output)."""
@@ -118,7 +126,7 @@ def _timed_generate(model, batch, new_tokens, kwargs):
     with _PrefillTimer(model) as prefill:
         _sync(ids.device)
         start = time.perf_counter()
-        out = model.generate(ids, attention_mask=mask, generation_config=generation_config, **kwargs)
+        out = model.generate(ids, attention_mask=mask, generation_config=generation_config, **only_these_drafts(kwargs))
         _sync(ids.device)
         seconds = time.perf_counter() - start
     steps = out.sequences.shape[1] - ids.shape[1]
