@@ -78,7 +78,12 @@ from .generation_early_exit import (
     resolve_exit_settings,
 )
 from .lean_early_exit import is_lean, set_exit_max_layer, shed_layers
-from .speculative_early_exit import speculation_requested, speculative_generate, stored_draft_settings
+from .speculative_early_exit import (
+    MAX_BATCH_FIELD,
+    speculation_requested,
+    speculative_generate,
+    stored_draft_settings,
+)
 
 logger = logging.get_logger(__name__)
 
@@ -361,7 +366,11 @@ class EarlyExitMixin(ExitHeadsMixin):
         (`speculative_early_exit.py`); `num_assistant_tokens`, `num_assistant_tokens_schedule` and
         `assistant_confidence_threshold` as in transformers.
         """
-        if speculation_requested(self, generation_config, kwargs):
+        ids = inputs if inputs is not None else kwargs.get("input_ids")
+        batch_size = ids.shape[0] if isinstance(ids, torch.Tensor) and ids.ndim == 2 else None
+        speculative = speculation_requested(self, generation_config, kwargs, batch_size)
+        kwargs.pop(MAX_BATCH_FIELD, None)  # ours, read just now: not a generate() argument of transformers
+        if speculative:
             if is_lean(self):
                 raise ValueError(
                     f"`assistant_early_exit` verifies with every layer above the draft exit, but this model "

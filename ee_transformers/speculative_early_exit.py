@@ -66,6 +66,8 @@ from .generation_early_exit import EXIT_ARGUMENTS, GenerateEarlyExitOutput, _is_
 # ---------------------------------------------------------------------------------------------------------------------
 SCHEDULES = ("constant", "heuristic", "heuristic_transient")
 DRAFT_SOURCES = ("assistant_early_exit", "prompt_lookup_num_tokens")  # transformers' arguments
+# ours: stored draft settings apply up to this batch size (calibration stores where they were measured to pay)
+MAX_BATCH_FIELD = "speculative_max_batch_size"
 
 
 def _requested(name, model, generation_config, kwargs):
@@ -88,16 +90,22 @@ def stored_draft_settings(model, generation_config, kwargs) -> list[str]:
     ]
 
 
-def speculation_requested(model, generation_config, kwargs) -> bool:
+def speculation_requested(model, generation_config, kwargs, batch_size=None) -> bool:
     """Whether `generate(generation_config=..., **kwargs)` decodes speculatively: `assistant_early_exit` (exit-head
     drafts) or `prompt_lookup_num_tokens` (context drafts) set in `kwargs`, `generation_config` or
     `model.generation_config`. Settings of the call win over stored ones, as in transformers: confident-exit settings
-    in the call turn stored draft settings off, and stored confident-exit settings are not used with drafts. Raises a
-    `ValueError` for what one call cannot combine."""
+    in the call turn stored draft settings off, and stored confident-exit settings are not used with drafts. Stored
+    draft settings apply up to `speculative_max_batch_size` rows (when set). Raises a `ValueError` for what one call
+    cannot combine."""
     names = [n for n in DRAFT_SOURCES if _requested(n, model, generation_config, kwargs) is not None]
     if not names:
         return False
     stored = stored_draft_settings(model, generation_config, kwargs)
+    limit = _requested(MAX_BATCH_FIELD, model, generation_config, kwargs)
+    if limit is not None and (not _is_int(limit) or limit < 1):
+        raise ValueError(f"`{MAX_BATCH_FIELD}` must be an integer >= 1 or None, got {limit!r}.")
+    if set(names) <= set(stored) and limit is not None and batch_size is not None and batch_size > limit:
+        return False  # stored drafts were measured to pay up to `limit` rows only: full depth here
     mode = " and ".join(f"`{n}`" for n in names)
 
     def given(name):  # in this call
@@ -823,6 +831,7 @@ def speculative_generate(
 
 
 __all__ = [
+    "MAX_BATCH_FIELD",
     "SCHEDULES",
     "GenerateSpeculativeOutput",
     "RaggedBatch",

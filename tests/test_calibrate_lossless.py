@@ -74,13 +74,33 @@ def test_the_best_worst_case_is_stored_and_used_by_a_plain_generate(folder, monk
     assert torch.equal(out.sequences, loaded.generate(ids, max_new_tokens=12, prompt_lookup_num_tokens=None))
 
 
-def test_nothing_is_stored_when_no_setting_beats_full_depth_everywhere(folder, monkeypatch):
+def test_a_setting_that_pays_at_batch_1_only_is_stored_for_batch_1_only(folder, monkeypatch):
+    path, _ = folder
+    model = eet.from_base(path).eval()
+    _fake_speed(monkeypatch, lambda k, b: 1.3 if b == 1 else 0.95)
+    report = _calibrate(model)
+    assert report["chosen"] and report["max_batch_size"] == 1 and "up to batch 1" in report["message"]
+    lossless.apply_lossless_calibration(model, report)
+    assert model.generation_config.speculative_max_batch_size == 1
+    ids = torch.tensor([[5, 6, 7, 5, 6, 7, 5, 6]])
+    one = model.generate(ids, max_new_tokens=8, return_dict_in_generate=True)
+    two = model.generate(ids.repeat(2, 1), max_new_tokens=8, return_dict_in_generate=True)
+    assert getattr(one, "context_draft_tokens", None) is not None  # batch 1: the stored drafts
+    assert getattr(two, "context_draft_tokens", None) is None  # batch 2: full depth, as measured best
+    assert torch.equal(two.sequences[0], one.sequences[0])
+    # asked for in the call, drafts run at any batch size
+    asked = model.generate(ids.repeat(2, 1), max_new_tokens=8, prompt_lookup_num_tokens=2, return_dict_in_generate=True)
+    assert asked.context_draft_tokens is not None
+    assert "up to batch size 1" in lossless.lossless_calibration_card(report)
+
+
+def test_nothing_is_stored_when_no_setting_beats_full_depth_at_batch_1(folder, monkeypatch):
     path, _ = folder
     model = eet.from_base(path).eval()
     model.generation_config.prompt_lookup_num_tokens = 3  # a stale stored setting is cleared
-    _fake_speed(monkeypatch, lambda k, b: 1.3 if b == 1 else 0.95)
+    _fake_speed(monkeypatch, lambda k, b: 0.95 if b == 1 else 1.3)
     report = _calibrate(model)
-    assert report["chosen"] is None and "no lossless setting beat full depth" in report["message"]
+    assert report["chosen"] is None and "no lossless setting beat full depth at batch 1" in report["message"]
     lossless.apply_lossless_calibration(model, report)
     assert model.generation_config.prompt_lookup_num_tokens is None
     card = lossless.lossless_calibration_card(report)

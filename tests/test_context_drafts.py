@@ -244,6 +244,7 @@ def test_stored_prompt_lookup_is_used_by_a_plain_generate_after_reload(models, t
         (dict(prompt_lookup_num_tokens=3, output_hidden_states=True), r"`output_hidden_states=True` is not available"),
         (dict(prompt_lookup_num_tokens=3, exit_threshold=0.5), r"cannot be combined with `exit_threshold`"),
         (dict(prompt_lookup_num_tokens=3, assistant_early_exit=4), r"`assistant_early_exit`.*allowed values"),
+        (dict(prompt_lookup_num_tokens=3, speculative_max_batch_size=0), r"`speculative_max_batch_size` must be an"),
     ],
 )
 def test_bad_context_draft_arguments_raise_before_decoding(models, kwargs, match):

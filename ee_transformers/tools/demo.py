@@ -8,7 +8,7 @@
    and Sensibility" and a later slice of the manual), cost-aware, and measure the choice against full depth: exits
    stay on only if they are faster on this machine;
 4'. calibrate the lossless mode on the same calibration text: context drafts (`prompt_lookup_num_tokens`) timed
-   against full depth at every batch size, stored in `generation_config.json` if faster at every one;
+   against full depth at every batch size, stored in `generation_config.json` for the batch sizes where it was faster;
 5. save the Hub-ready folder, then decode other held-out prompts (the second half of "Sense and Sensibility" and the
    manual's 80-88% slice: the benchmark's prompts) in every mode and show each against full depth on one screen:
    the calibrated setting, lossless self-speculation from an exit, lossless context drafts (ours at every batch size,
@@ -250,7 +250,7 @@ def _minutes(since):
 
 def _calibrate_lossless(model, plain, calibration_texts, args):
     """Stage 4': the lossless setting (context drafts) chosen by measured speed on the calibration prompts (not the
-    final screen's), stored in the model's generation config when it beats full depth at every batch size."""
+    final screen's), stored in the model's generation config for the batch sizes where it beat full depth."""
     from ee_transformers.tools import bench
     from ee_transformers.training import calibrate_lossless as lossless
 
@@ -472,7 +472,13 @@ def _lossless_rows(model, plain, prompts, lossless, batch_sizes, new_tokens, wei
             for r in measure_rows(model, plain, batches, rows, config, 1, log=lambda *_: None):
                 if not r["identical"]:
                     raise AssertionError(f"{r['who']} prompt lookup did not reproduce full depth at batch {b}.")
-                stored = "stored" if lossless["chosen"] else "not stored: slower than full depth somewhere"
+                limit = lossless.get("max_batch_size")
+                if not lossless["chosen"]:
+                    stored = "not stored: slower than full depth at batch 1"
+                elif limit and b > limit:
+                    stored = f"stored for batch <= {limit}: at this batch generate runs full depth"
+                else:
+                    stored = "stored"
                 mode, meaning = (
                     (f"lossless: context drafts ({stored})", f"`{shown}`: the same text as full depth")
                     if r["who"] == "ours"

@@ -6,10 +6,12 @@ Lossless modes never change the text (greedy output is token for token full dept
 and speed is measured, not predicted: every candidate (context drafts `prompt_lookup_num_tokens=N` with
 `max_matching_ngram_size=G`; with `exits`, exit-head drafts `assistant_early_exit` alone and with context drafts) is
 timed against plain greedy generate, paired and interleaved on held-out prompts, at every batch size. The candidate
-with the best worst-case speed-up over the batch sizes is stored in `generation_config.json` if that worst case beats
-full depth; a plain `generate` on the folder then uses it (stored lossless settings take precedence over stored
-confident-exit settings, which do not combine with them). Otherwise nothing is stored and the report says which
-candidate came closest, with its measured figures.
+that beats full depth over the widest range of batch sizes from the smallest (the fastest at the smallest first) is
+stored in `generation_config.json`, with `speculative_max_batch_size` when it paid below the largest size measured
+only: a plain `generate` on the folder then uses it up to that batch size and decodes at full depth above it
+(stored lossless settings take precedence over stored confident-exit settings, which do not combine with them). If
+nothing beats full depth even at the smallest batch size, nothing is stored and the report says which candidate came
+closest, with its measured figures.
 
 Python use:
     report = calibrate_lossless(model, plain_twin(model), prompts, LosslessCalibrationConfig())
@@ -21,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from ee_transformers.speculative_early_exit import MAX_BATCH_FIELD
 from ee_transformers.tools.arguments import check_fields
 from ee_transformers.tools.bench.loading import make_batches
 from ee_transformers.tools.bench.lossless import measure_rows
@@ -80,7 +83,8 @@ def _name(kwargs) -> str:
 
 def calibrate_lossless(model, plain, prompts, config: LosslessCalibrationConfig | None = None, log=print) -> dict:
     """Times every candidate at every batch size (paired, interleaved against `plain`, the model's plain twin);
-    returns {"config", "candidates": [{"kwargs", "by_batch_size": {b: measured}, "worst"}], "chosen", "message"}.
+    returns {"config", "candidates": [{"kwargs", "by_batch_size": {b: measured}, "worst", "pays_up_to"}], "chosen",
+    "max_batch_size", "closest", "message"}.
     Raises `AssertionError` if a candidate's output differs from plain greedy (a lossless mode that is not)."""
     config = config or LosslessCalibrationConfig()
     kwargs = lossless_candidates(config)
@@ -97,16 +101,45 @@ def calibrate_lossless(model, plain, prompts, config: LosslessCalibrationConfig 
         wrong = [b for b, m in measured.items() if not m["identical"]]
         if wrong:
             raise AssertionError(f"{_name(k)} did not reproduce plain greedy output at batch sizes {wrong}.")
-        candidates.append(dict(kwargs=k, by_batch_size=measured, worst=min(m["speedup"] for m in measured.values())))
-    best = max(candidates, key=lambda c: c["worst"])
+        candidates.append(
+            dict(
+                kwargs=k,
+                by_batch_size=measured,
+                worst=min(m["speedup"] for m in measured.values()),
+                pays_up_to=_pays_up_to(measured, config.batch_sizes),
+            )
+        )
+    return dict(config=asdict(config), candidates=candidates, **_choose(candidates, config.batch_sizes))
+
+
+def _pays_up_to(measured, batch_sizes):
+    """The largest measured batch size up to which (every measured size included) the setting beat full depth."""
+    paying = None
+    for b in sorted(batch_sizes):
+        if measured[str(b)]["speedup"] <= 1.0:
+            break
+        paying = b
+    return paying
+
+
+def _choose(candidates, batch_sizes):
+    """The setting that pays over the widest range of batch sizes from the smallest, the fastest there first; it is
+    stored with `speculative_max_batch_size` when it pays below the largest size measured only."""
+    smallest, largest = min(batch_sizes), max(batch_sizes)
+    best = max(
+        candidates, key=lambda c: (c["pays_up_to"] or 0, c["by_batch_size"][str(smallest)]["speedup"], c["worst"])
+    )
     sizes = ", ".join(f"{m['speedup']:.2f}x at batch {b}" for b, m in best["by_batch_size"].items())
-    if best["worst"] > 1.0:
-        chosen, message = best["kwargs"], f"stored {_name(best['kwargs'])}: measured {sizes}"
-    else:
-        chosen = None
+    limit = best["pays_up_to"]
+    if limit is None:
         closest = _name(best["kwargs"])
-        message = f"no lossless setting beat full depth at every batch size; the closest, {closest}, measured {sizes}"
-    return dict(config=asdict(config), candidates=candidates, chosen=chosen, closest=best, message=message)
+        message = f"no lossless setting beat full depth at batch {smallest}; the closest, {closest}, measured {sizes}"
+        return dict(chosen=None, max_batch_size=None, closest=best, message=message)
+    scope = "at every batch size measured" if limit == largest else f"up to batch {limit} (full depth above it)"
+    message = f"stored {_name(best['kwargs'])}, used {scope}: measured {sizes}"
+    return dict(
+        chosen=best["kwargs"], max_batch_size=None if limit == largest else limit, closest=best, message=message
+    )
 
 
 def apply_lossless_calibration(model, report: dict) -> None:
@@ -115,6 +148,7 @@ def apply_lossless_calibration(model, report: dict) -> None:
     chosen = report.get("chosen") or {}
     for name in STORED_FIELDS:
         setattr(model.generation_config, name, chosen.get(name))
+    setattr(model.generation_config, MAX_BATCH_FIELD, report.get("max_batch_size") if chosen else None)
     model.generation_config._from_model_config = False  # saved as written, not regenerated from the model config
 
 
@@ -133,7 +167,10 @@ def lossless_calibration_card(report: dict) -> str:
             m = c["by_batch_size"][str(b)]
             cells.append(f"{m['speedup']:.2f}x ({m['low']:.2f}-{m['high']:.2f})")
         lines.append(f"| `{_name(c['kwargs'])}` | " + " | ".join(cells) + " |")
-    if report.get("chosen"):
+    if report.get("chosen") and report.get("max_batch_size"):
+        lines += ["", f"A plain `model.generate(...)` on this folder uses the stored setting up to batch size "
+                  f"{report['max_batch_size']} (`speculative_max_batch_size`) and full depth above it."]  # fmt: skip
+    elif report.get("chosen"):
         lines += ["", "A plain `model.generate(...)` on this folder uses the stored setting."]
     else:
         closest = report["closest"]["kwargs"]
