@@ -26,6 +26,7 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
 from transformers.dynamic_module_utils import get_relative_import_files
 
 import ee_transformers as eet
@@ -218,3 +219,35 @@ def test_modules_that_say_they_are_hub_runtime_are_the_files_a_saved_folder_carr
         f"carried by saved folders without saying so: {sorted(carried - claimed)}"
     )
     assert carried == {f"{m.split('.')[-1]}.py" for m in runtime_modules()}, "the runtime these tests check"
+
+
+# --- the design card's top level ---------------------------------------------------------------------------------------
+
+ROOT_SCRIPTS = {"fit.py": "fit", "calibrate.py": "calibrate", "main_job.py": "demo"}
+
+
+def test_the_top_level_is_the_design_cards():
+    root = Path(__file__).resolve().parents[1]
+    for name in ("pyproject.toml", "ee_transformers", "training", "tests", "model_cards", "README.md"):
+        assert (root / name).exists(), name
+    assert (root / "model_cards" / "early_exit_model_card.md").is_file()
+    assert not (root / "ee_transformers" / "tools" / "model_cards").exists()  # one home for the templates
+    assert not (root / "training" / "__init__.py").exists()  # scripts, not a package to install
+
+
+@pytest.mark.parametrize("script, command", sorted(ROOT_SCRIPTS.items()))
+def test_training_scripts_are_thin_and_the_same_entry_point_as_the_subcommand(script, command):
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    source = (root / "training" / script).read_text()
+    assert len(source.splitlines()) <= 12, "a thin entry point: the library holds the work"
+    imported = [
+        (n.module, [a.name for a in n.names]) for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ImportFrom)
+    ]
+    assert imported == [(imported[0][0], ["main"])] and imported[0][0].startswith("ee_transformers.")
+    run = dict(capture_output=True, text=True, timeout=120, cwd=root)
+    direct = subprocess.run([sys.executable, f"training/{script}", "--help"], **run)
+    through = subprocess.run([sys.executable, "-m", "ee_transformers.tools.cli", command, "--help"], **run)
+    assert direct.returncode == through.returncode == 0, direct.stderr + through.stderr
+    assert direct.stdout == through.stdout  # one parser: the same flags, defaults and help

@@ -16,7 +16,7 @@ SUBCOMMANDS = {
     "fit": (
         "ee_transformers.training.fit_exit_heads",
         "main",
-        "fit exit heads (same as python -m ee_transformers.training.fit_exit_heads)",
+        "fit exit heads (same as python training/fit.py)",
     ),
     "calibrate": ("ee_transformers.training.calibrate", "main", "choose exits and thresholds for a quality target"),
     "profile": (

@@ -24,8 +24,12 @@ _HUB_SNAPSHOT = re.compile(r"models--([\w.-]+)--([\w.-]+)[/\\]snapshots[/\\][0-9
 
 
 def _template_text() -> str:
-    # package data (pyproject's [tool.setuptools.package-data]), so a wheel has it as an editable install does
-    return resources.files("ee_transformers.tools").joinpath("model_cards", TEMPLATE_NAME).read_text()
+    # the repository's root `model_cards/`: read in place in a checkout, shipped in a wheel as the package data of
+    # `ee_transformers.model_cards` (pyproject)
+    checkout = Path(__file__).resolve().parents[2] / "model_cards" / TEMPLATE_NAME
+    if checkout.is_file():
+        return checkout.read_text()
+    return resources.files("ee_transformers.model_cards").joinpath(TEMPLATE_NAME).read_text()
 
 
 def hub_id(name) -> str | None:
