@@ -258,6 +258,7 @@ class RaggedBatch:
         self.positions = self.slots.sum(-1)
         self.first = prompt - self.positions  # each row's first real token (rows are left-padded)
         self.live = torch.arange(batch, device=device)  # the rows the cache (and every forward) still holds
+        self.selectable = None  # whether every cache layer can drop rows (`retire`)
         self.gapless = bool(self.slots.all())
         self.stopped = torch.zeros(batch, dtype=torch.bool, device=device)
         self.stop_at = torch.full((batch,), max_length, dtype=torch.long, device=device)
@@ -314,8 +315,11 @@ class RaggedBatch:
         return out
 
     def write_draft(self, i, tokens):
-        """Draft i (0-based) of every row, after its sequence, where processors of later positions see it."""
-        self.tokens.scatter_(1, (self.length + i)[:, None], tokens[:, None])
+        """Draft i (0-based) of every row, `(B,)`, or drafts i.. `(B, k)`, after its sequence, where processors of later
+        positions see them."""
+        tokens = tokens[:, None] if tokens.ndim == 1 else tokens
+        index = self.length[:, None] + i + torch.arange(tokens.shape[1], device=tokens.device)
+        self.tokens.scatter_(1, index, tokens)
 
     # committing a round ----------------------------------------------------------------------------------------------
     def commit(self, new, counts, stopping_criteria) -> torch.Tensor:
@@ -377,10 +381,10 @@ class RaggedBatch:
     def retire(self, cache, active):
         """Drops the rows that have ended from the cache and from every later forward (they only cost compute), when
         at least a quarter of the live rows have ended and every cache layer can select rows (dynamic layers)."""
+        if self.selectable is None:  # static layers cannot drop rows; decided once
+            self.selectable = all(hasattr(layer, "batch_select_indices") for layer in cache.layers)
         done = ~self.to_live(active)
-        if not 4 * int(done.sum()) >= max(self.live.numel(), 4) or not all(
-            hasattr(layer, "batch_select_indices") for layer in cache.layers
-        ):
+        if not self.selectable or 4 * int(done.sum()) < max(self.live.numel(), 4):
             return
         keep = (~done).nonzero().squeeze(1)
         cache.batch_select_indices(keep)
@@ -612,8 +616,7 @@ def _context_round(model, batch, drafts, counts, k, sample):
     fed = batch.to_live(torch.cat([batch.last_tokens()[:, None], drafts[:, :k]], dim=1))
     states = model.family.embed(model, fed, batch.position_ids(0, k + 1))
     valid = torch.arange(k, device=counts.device) < counts[:, None]
-    for i in range(k):
-        batch.write_draft(i, drafts[:, i])
+    batch.write_draft(0, drafts[:, :k])
     q = _point_mass(drafts[:, :k], valid, model.config.vocab_size) if sample else None
     return _Round(-1, states, drafts[:, :k], valid, q, counts)
 
@@ -624,6 +627,7 @@ def _exit_round(model, settings, batch, cache, k, drafting, context, counts, log
     (confidence below the threshold, or its budget spent)."""
     token, states, drafts, q = batch.last_tokens(), [], [], []
     adaptive = settings.threshold > 0 or settings.schedule != "constant"
+    copying = int(counts.max())  # steps in which some row still copies from the context (one host sync, not k)
     for i in range(k + 1):
         states.append(draft_step(model, settings.exit_layer, batch.to_live(token), batch, cache, i))
         if i == k:
@@ -633,8 +637,8 @@ def _exit_round(model, settings, batch, cache, k, drafting, context, counts, log
         draft_scores = batch.process(logits_processor, draft_logits[:, None], i)[:, 0]
         probs = draft_scores.softmax(-1) if sample or (adaptive and learned is None) else None
         token = torch.multinomial(probs, 1).squeeze(1) if sample else draft_scores.argmax(-1)
-        copied = i < counts
-        if bool(copied.any()):
+        if i < copying:
+            copied = i < counts
             token = torch.where(copied, context[:, i], token)
             probs = (
                 None

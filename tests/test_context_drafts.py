@@ -267,8 +267,9 @@ def test_bench_lossless_runs_side_by_side_and_reports(models):
     from ee_transformers.tools.bench.lossless import LosslessConfig, format_lossless, run_lossless
 
     model, _ = models("llama")
-    config = LosslessConfig(batch_sizes=[1, 2], num_prompts=2, prompt_tokens=8, new_tokens=6, rounds=1, threads=1)
-    config.exits = [2]
+    config = LosslessConfig(
+        batch_sizes=[1, 2], num_prompts=2, prompt_tokens=8, new_tokens=6, rounds=1, threads=1, exits=[2]
+    )
     report = run_lossless(model, plain_twin(model), random_prompts(99, 2, 8), config, log=lambda *_: None)
     rows = {(r["batch_size"], r["who"], r["name"]) for r in report["results"]}
     assert (1, "transformers", "prompt lookup N=10 G=2") in rows and (2, "ours", "prompt lookup N=10 G=2") in rows

@@ -81,8 +81,9 @@ def test_final_screen_times_the_lossless_setting_and_transformers_prompt_lookup(
     model = model_with(base_dirs, seed=5)
     plain = bench.plain_twin(model)
     prompts = bench.random_prompts(99, 2, window=6)
-    config = lossless.LosslessCalibrationConfig(batch_sizes=[1, 2], lookup_tokens=[2], ngram_sizes=[3], num_prompts=2)
-    config.new_tokens = 6
+    config = lossless.LosslessCalibrationConfig(
+        batch_sizes=[1, 2], lookup_tokens=[2], ngram_sizes=[3], num_prompts=2, new_tokens=6
+    )
     report = lossless.calibrate_lossless(model, plain, prompts, config, log=lambda *_: None)
     lines = gains(model, plain, prompts, _report(chosen=False), [1, 2], new_tokens=6, quick=True, lossless=report)
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines if line.startswith("| ")]
