@@ -65,12 +65,14 @@ class LayerInputs:
     """What every decoder layer of one forward needs besides the hidden states.
 
     masks: layer type -> attention mask (4D, or None when attention needs none); positions: layer type -> rotary
-    `(cos, sin)`, each `(B, q, head_dim)` (empty for families with absolute positions); position_ids: `(B, q)`.
+    `(cos, sin)`, each `(B, q, head_dim)` (empty for families with absolute positions); position_ids: `(B, q)`;
+    attention: further keyword arguments for the attention (continuous batching's paged-cache indices).
     """
 
     masks: dict
     positions: dict = field(default_factory=dict)
     position_ids: torch.Tensor | None = None
+    attention: dict = field(default_factory=dict)
 
     def select(self, rows: torch.Tensor, batch_size: int) -> "LayerInputs":
         """The inputs of the running rows `rows` (row policy)."""
@@ -78,6 +80,7 @@ class LayerInputs:
             masks={k: select_rows(v, rows, batch_size) for k, v in self.masks.items()},
             positions={k: select_rows(v, rows, batch_size) for k, v in self.positions.items()},
             position_ids=select_rows(self.position_ids, rows, batch_size),
+            attention=self.attention,
         )
 
 
@@ -162,6 +165,7 @@ class FamilyAdapter:
             position_ids=inputs.position_ids,
             cache=cache,
             use_cache=cache is not None,
+            **inputs.attention,
         )
 
     def key_value(self, model, j, states, inputs: LayerInputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -325,6 +329,7 @@ class GPT2Adapter(FamilyAdapter):
             attention_mask=inputs.masks["full_attention"],
             position_ids=inputs.position_ids,
             use_cache=cache is not None,
+            **inputs.attention,
         )
 
     def attention_input(self, layer, states):

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from transformers import (
     AutoTokenizer,
+    ContinuousBatchingConfig,
     Gemma2ForCausalLM,
     Gemma2Model,
     Gemma3ForCausalLM,
@@ -78,6 +79,7 @@ from .generation_early_exit import (
     resolve_exit_settings,
 )
 from .lean_early_exit import is_lean, set_exit_max_layer, shed_layers
+from .paged_early_exit import check_paged_exits, is_paged, paged_step
 from .speculative_early_exit import (
     MAX_BATCH_FIELD,
     speculation_requested,
@@ -86,6 +88,7 @@ from .speculative_early_exit import (
 )
 
 logger = logging.get_logger(__name__)
+_UNSET = object()  # continuous batching's exit settings: not resolved yet
 
 
 @dataclass
@@ -318,6 +321,11 @@ class EarlyExitMixin(ExitHeadsMixin):
     ) -> EarlyExitCausalLMOutput:
         """The family's forward (all layers run), plus `output_exit_logits`: also return `exit_logits`, one
         `(batch, seq, vocab)` tensor per exit. Early-exit decoding runs in `generate`."""
+        if is_paged(cache) and not output_exit_logits:  # a continuous-batching step
+            with torch.no_grad():
+                out = self._paged_forward(input_ids, position_ids, attention_mask, cache, logits_to_keep, dict(kwargs))
+            if out is not None:
+                return out
         user_hidden = kwargs.get("output_hidden_states", False)
         if output_exit_logits:
             kwargs["output_hidden_states"] = True
@@ -387,17 +395,7 @@ class EarlyExitMixin(ExitHeadsMixin):
         # stored draft settings the call turned off (confident exits or full depth asked): not transformers' either
         # (as kwargs: transformers refills a passed config's unset fields from `self.generation_config`)
         kwargs.update(dict.fromkeys(stored_draft_settings(self, generation_config, kwargs)))
-        values = merged_exit_values(self, generation_config, kwargs)
-        settings = resolve_exit_settings(self.config, values)
-        if settings is None and is_lean(self):  # lean, no exit settings: every token exits at exit_max_layer
-            if values["early_exit"] is False:
-                raise ValueError(
-                    f"`early_exit=False` asks for full depth, but this model holds decoder layers "
-                    f"0..{self.exit_max_layer} only; load the rest with `model.set_exit_max_layer("
-                    f"{self.config.num_hidden_layers - 1})`, or leave exit settings out to exit every "
-                    "token at `exit_max_layer`."
-                )
-            settings = ExitSettings(criterion=EXIT_CRITERIA["max_prob"], thresholds={})
+        settings = self.exit_settings_for(generation_config, kwargs)
         if settings is None:
             eos = kwargs.get("eos_token_id", getattr(generation_config or self.generation_config, "eos_token_id", None))
             out = super().generate(inputs, generation_config=generation_config, **kwargs)
@@ -413,6 +411,61 @@ class EarlyExitMixin(ExitHeadsMixin):
             exit_streamer=kwargs.pop("streamer", None),
             **kwargs,
         )
+
+    def exit_settings_for(self, generation_config=None, kwargs=None) -> ExitSettings | None:
+        """The exit settings a decode uses (kwargs over `generation_config` over `self.generation_config`), validated;
+        None for full depth. Pops the exit names from `kwargs`."""
+        values = merged_exit_values(self, generation_config, kwargs)
+        settings = resolve_exit_settings(self.config, values)
+        if settings is None and is_lean(self):  # lean, no exit settings: every token exits at exit_max_layer
+            if values["early_exit"] is False:
+                raise ValueError(
+                    f"`early_exit=False` asks for full depth, but this model holds decoder layers "
+                    f"0..{self.exit_max_layer} only; load the rest with `model.set_exit_max_layer("
+                    f"{self.config.num_hidden_layers - 1})`, or leave exit settings out to exit every "
+                    "token at `exit_max_layer`."
+                )
+            settings = ExitSettings(criterion=EXIT_CRITERIA["max_prob"], thresholds={})
+        return settings
+
+    # continuous batching --------------------------------------------------------------------------------------------
+    def init_continuous_batching(self, generation_config=None, continuous_batching_config=None, workload_hints=None):
+        """transformers' continuous batching (`generate_batch`, `transformers serve --continuous-batching`) with
+        early exit: each step runs through `paged_step` with the exit settings of `generation_config` over the
+        stored ones (`paged_early_exit.py`). The settings hold for this model's continuous batching until the next
+        call; what the paged path cannot honour raises here."""
+        settings = self.exit_settings_for(generation_config)
+        cb_config = continuous_batching_config or ContinuousBatchingConfig()
+        if settings is not None:
+            cb_config = check_paged_exits(self, settings, generation_config, cb_config)
+        drafts = stored_draft_settings(self, generation_config, {})
+        if drafts:
+            logger.warning_once(
+                f"Continuous batching decodes one token per request and step: the draft settings {drafts} are not "
+                "used there (they are lossless, so the text is the same; only their speed-up is lost)."
+            )
+        self._cb_exit_settings = settings
+        return super().init_continuous_batching(generation_config, cb_config, workload_hints)
+
+    def _paged_forward(self, input_ids, position_ids, attention_mask, cache, logits_to_keep, kwargs):
+        settings = getattr(self, "_cb_exit_settings", _UNSET)
+        if settings is _UNSET:  # a manager not made by `init_continuous_batching`: the stored settings
+            settings = self._cb_exit_settings = self.exit_settings_for()
+            if settings is not None:
+                check_paged_exits(self, settings, None, ContinuousBatchingConfig(allow_block_sharing=False))
+        if settings is None:
+            return None
+        logits_indices = kwargs.pop("logits_indices", logits_to_keep)
+        if not isinstance(logits_indices, torch.Tensor):
+            raise ValueError("Early exit in continuous batching needs `logits_indices` (the tokens that get logits).")
+        attention = {k: v for k, v in kwargs.items() if k not in ("logits_processor_args", "output_hidden_states")}
+        logits, exit_layers = paged_step(
+            self, settings, input_ids, position_ids, attention_mask, cache, logits_indices, attention
+        )
+        trace = getattr(self, "_paged_trace", None)
+        if trace is not None:
+            trace.add(input_ids, position_ids, logits_indices, exit_layers)
+        return EarlyExitCausalLMOutput(logits=logits)
 
     def _refuse_with_exits(self, generation_config, kwargs):
         """What early-exit decoding cannot honour raises here, never silently."""

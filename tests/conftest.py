@@ -98,7 +98,10 @@ FAMILIES = {
     "olmo2": FamilySpec(Olmo2Config, Olmo2ForCausalLM, {}),
     # GPT-2's default init (std 0.02, residual projections scaled down) leaves a tiny model's residual stream almost
     # all embedding, so every exit would pick the same tokens; a larger init makes the layers matter
-    "gpt2": FamilySpec(GPT2Config, GPT2LMHeadModel, {"n_inner": 64, "initializer_range": 0.2}),
+    # (num_key_value_heads: GPT-2 has no grouped K/V, and continuous batching sizes its paged cache from this field)
+    "gpt2": FamilySpec(
+        GPT2Config, GPT2LMHeadModel, {"n_inner": 64, "initializer_range": 0.2, "num_key_value_heads": 4}
+    ),
 }
 
 
