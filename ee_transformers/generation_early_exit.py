@@ -26,6 +26,7 @@ from .cache_early_exit import EarlyExitCache, RowSubsetCache
 from .lean_early_exit import (
     LEAN_FIELDS,
     BreachGuard,
+    _is_int,
     check_lean_argument,
     deepen,
     keep_exit_states,
@@ -167,10 +168,6 @@ EXIT_FIELDS = (
 EXIT_ARGUMENTS = ("early_exit",) + EXIT_FIELDS
 EXIT_POLICIES = ("batch", "row")
 EXIT_KV_MODES = ("immediate", "deferred")
-
-
-def _is_int(x):
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def check_exit_argument(name: str, value, exit_layers=None) -> None:

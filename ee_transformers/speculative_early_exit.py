@@ -59,7 +59,8 @@ from torch import nn
 from torch.profiler import record_function
 from transformers.generation.stopping_criteria import MaxLengthCriteria, StoppingCriteriaList
 
-from .generation_early_exit import EXIT_ARGUMENTS, GenerateEarlyExitOutput, _is_int
+from .generation_early_exit import EXIT_ARGUMENTS, GenerateEarlyExitOutput
+from .lean_early_exit import _is_int
 
 # ---------------------------------------------------------------------------------------------------------------------
 # settings

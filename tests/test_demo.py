@@ -1,6 +1,6 @@
 """The main job's final screen (`ee_transformers.tools.demo`): the HELIOS pool's rows on a mixed prompt set."""
 
-from test_pool import ALWAYS, NEVER, model_with
+from helpers import ALWAYS, NEVER, model_with
 
 from ee_transformers.lean_early_exit import resident_parameter_bytes
 from ee_transformers.tools import bench

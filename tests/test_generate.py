@@ -9,7 +9,7 @@ never run; a batch row == its prompt alone.
 import pytest
 import torch
 from conftest import LayerCalls, cached, cut_at_exit, own_kv, padded_batch
-from transformers.generation.streamers import BaseStreamer
+from helpers import Collect, ee_model, numbered_tokenizer, scripted_heads
 
 import ee_transformers as eet
 from ee_transformers.tools.bench import ForcedExits
@@ -17,30 +17,7 @@ from ee_transformers.tools.bench import ForcedExits
 LAYERS = 4  # tiny models: 4 decoder layers, exits after 0, 1, 2, final = 3
 
 
-def ee_model(base_dirs, family="llama", exit_layers=(0, 1, 2), perturb=True):
-    model = eet.from_base(base_dirs[family][0], exit_layers=list(exit_layers)).eval()
-    if perturb:  # heads that differ from the final norm, so a wrong head would show
-        torch.manual_seed(7)
-        with torch.no_grad():
-            for head in model.exit_heads:
-                head.norm.weight.mul_(torch.rand_like(head.norm.weight) + 0.5)
-                if getattr(head.norm, "bias", None) is not None:
-                    head.norm.bias.add_(torch.rand_like(head.norm.bias) - 0.5)
-    return model
-
-
 LayerCounter = LayerCalls  # calls and rows run per decoder layer (conftest)
-
-
-def scripted_heads(model, per_exit):
-    """Replaces exit-head logits: per_exit[i](rows) -> logits (n, V) for exit i. Returns the patched model."""
-    vocab = model.config.vocab_size
-
-    def logits_from_hidden(index, hidden):
-        return per_exit[index](hidden.shape[0], vocab, hidden)
-
-    model.exit_logits_from_hidden = logits_from_hidden
-    return model
 
 
 def peaked(token, height):
@@ -442,17 +419,6 @@ def test_exit_layers_minus_one_exactly_after_eos(base_dirs, exits_on):
     assert (out.exit_layers[0, 2:] == -1).all()
 
 
-class Collect(BaseStreamer):
-    def __init__(self):
-        self.chunks, self.ended = [], False
-
-    def put(self, value):
-        self.chunks.append(value.clone())
-
-    def end(self):
-        self.ended = True
-
-
 def test_streamer_receives_exactly_the_generated_tokens(base_dirs):
     model = ee_model(base_dirs)
     ids = torch.tensor([[3, 4, 5, 6]])
@@ -468,11 +434,10 @@ def test_streamer_receives_exactly_the_generated_tokens(base_dirs):
 def test_text_iterator_streamer_and_num_return_sequences(base_dirs):
     from threading import Thread
 
-    from test_model import _tiny_tokenizer
     from transformers import TextIteratorStreamer
 
     model = ee_model(base_dirs)
-    tokenizer = _tiny_tokenizer()
+    tokenizer = numbered_tokenizer()
     ids = torch.tensor([[3, 4, 5, 6]])
     streamer = TextIteratorStreamer(tokenizer, skip_prompt=True)
     kwargs = dict(max_new_tokens=5, do_sample=False, exit_criterion="cosine", exit_threshold=-1.0, streamer=streamer)

@@ -221,6 +221,28 @@ def test_modules_that_say_they_are_hub_runtime_are_the_files_a_saved_folder_carr
     assert carried == {f"{m.split('.')[-1]}.py" for m in runtime_modules()}, "the runtime these tests check"
 
 
+# --- the tests ---------------------------------------------------------------------------------------------------------
+def imports_of_test_modules(tests: Path) -> list[str]:
+    """Every import in a `test_*.py` of `tests` that names a `test_*` module (at the top of a file or not)."""
+    bad = []
+    for path in sorted(tests.glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):  # `from test_x import y`, `from tests import test_x`
+                names = [f"{node.module or ''}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            found = [n for n in names if any(part.startswith("test_") for part in n.split("."))]
+            bad += [f"{path.name}:{node.lineno} imports {n}" for n in found]
+    return bad
+
+
+def test_test_modules_share_helpers_through_helpers_py_not_each_other():
+    bad = imports_of_test_modules(ROOT / "tests")
+    assert not bad, "shared helpers belong in tests/helpers.py (fixtures in conftest.py):\n" + "\n".join(bad)
+
+
 # --- the design card's top level ---------------------------------------------------------------------------------------
 
 ROOT_SCRIPTS = {"fit.py": "fit", "calibrate.py": "calibrate", "main_job.py": "demo"}

@@ -12,14 +12,13 @@ import pytest
 import torch
 import transformers.modeling_utils
 from conftest import cut_at_exit, padded_batch
-from test_generate import scripted_heads
+from helpers import NEVER, numbered_tokenizer, scripted_heads
 
 import ee_transformers as eet
 from ee_transformers.generation_early_exit import EXIT_CRITERIA, ExitCriterion
 from ee_transformers.lean_early_exit import ShedLayer, kv_bytes_per_token, memory_report, resident_parameter_bytes
 
 EXITS = [0, 1, 2]  # tiny models: 4 decoder layers, the last (3) is the final exit
-NEVER = dict(exit_criterion="max_prob", exit_threshold=1.0)  # never confident: every token runs to the deepest layer
 
 
 def perturb_heads(model, seed=7):
@@ -552,12 +551,10 @@ def test_profile_decides_each_position_as_decoding_would(base_dirs):
 
 
 def test_profile_histogram_sums_to_the_decided_tokens_and_writes_next_to_the_model(base_dirs, tmp_path, capsys):
-    from test_model import _tiny_tokenizer
-
     from ee_transformers.tools.profile import ExitProfile, main, profile_exits
 
     model = perturb_heads(eet.from_base(base_dirs["llama"][0], exit_layers=EXITS))
-    model.tokenizer = _tiny_tokenizer()
+    model.tokenizer = numbered_tokenizer()
     model.set_exit_defaults(exit_criterion="max_prob", exit_threshold=0.0138)  # about the median confidence
     folder = tmp_path / "ee"
     model.save_pretrained(folder)
@@ -649,16 +646,14 @@ def test_measured_memory_and_the_largest_batch_that_fits(base_dirs):
 
 
 def test_profile_agreement_is_each_depth_cut_against_full_depth(base_dirs):
-    from test_model import _tiny_tokenizer
-
     from ee_transformers.tools.profile import profile_exits
 
     model = perturb_heads(eet.from_base(base_dirs["qwen2"][0], exit_layers=EXITS))
     texts = _texts([40, 25], seed=5)
     # nothing exits: the last layer agrees with itself, a lean model at exit e is the base model cut at e + its head
-    profile = profile_exits(model, _tiny_tokenizer(), texts, window=16, progress=False, write=False, **NEVER)
+    profile = profile_exits(model, numbered_tokenizer(), texts, window=16, progress=False, write=False, **NEVER)
     assert profile.histogram == {3: 65} and profile.agreement[3] == 1.0
-    ids = _tiny_tokenizer()(texts, add_special_tokens=False)["input_ids"]
+    ids = numbered_tokenizer()(texts, add_special_tokens=False)["input_ids"]
     with torch.no_grad():
         outs = [
             model(torch.tensor([w[s : s + 16]]), output_exit_logits=True) for w in ids for s in range(0, len(w), 16)
@@ -673,8 +668,6 @@ def test_profile_without_matplotlib_writes_the_json_and_says_how_to_get_the_plot
     base_dirs, tmp_path, monkeypatch, caplog
 ):
     """The plot is an extra (`bench`); the profile is core API and must not need a plotting library."""
-    from test_model import _tiny_tokenizer
-
     from ee_transformers.tools.profile import PROFILE_FILE, ExitProfile, profile_exits
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
@@ -682,7 +675,7 @@ def test_profile_without_matplotlib_writes_the_json_and_says_how_to_get_the_plot
     model = eet.from_base(base_dirs["llama"][0], exit_layers=EXITS)
     with caplog.at_level("WARNING"):
         profile = profile_exits(
-            model, _tiny_tokenizer(), _texts([20]), window=8, out_dir=tmp_path, progress=False, **NEVER
+            model, numbered_tokenizer(), _texts([20]), window=8, out_dir=tmp_path, progress=False, **NEVER
         )
     assert ExitProfile.load(tmp_path) == profile, f"{PROFILE_FILE} must be written without matplotlib"
     assert not (tmp_path / "exit_profile.png").exists()

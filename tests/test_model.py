@@ -11,6 +11,7 @@ import textwrap
 import pytest
 import torch
 from conftest import FAMILIES, cut_at_exit, decoder_names, padded_batch
+from helpers import numbered_tokenizer
 from transformers import AutoModel, AutoModelForCausalLM, BertConfig
 
 import ee_transformers as eet
@@ -163,16 +164,6 @@ def test_variants_that_are_not_causal_lms_are_refused_by_name(tmp_path, family, 
         eet.from_base(tmp_path, exit_layers=[0])
 
 
-def _tiny_tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "<s>": 1, **{f"w{i}": i for i in range(2, 98)}, "</s>": 98}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
-
-
 REMOTE_SCRIPT = textwrap.dedent("""
     import importlib.abc, json, socket, sys, traceback
     class NoPackage(importlib.abc.MetaPathFinder):  # ee_transformers must not be importable
@@ -227,7 +218,7 @@ def saved_folders(base_dirs, tmp_path_factory):
         torch.manual_seed(5)
         with torch.no_grad():
             model.exit_heads[0].up.weight.normal_(std=0.1)  # saved heads must come back as they are
-        model.tokenizer = _tiny_tokenizer()
+        model.tokenizer = numbered_tokenizer()
         model.save_pretrained(root / family)
         models[family], folders[family] = model, str(root / family)
     (root / "inputs.json").write_text(json.dumps([folders, REMOTE_IDS]))

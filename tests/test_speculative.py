@@ -3,7 +3,7 @@
 import pytest
 import torch
 from conftest import LayerCalls, chi_square_p, make_base, padded_batch
-from test_generate import Collect, ee_model
+from helpers import Collect, ee_model
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 import ee_transformers as eet

@@ -1,0 +1,66 @@
+"""Helpers that several test modules use: plain functions, classes and settings (fixtures live in conftest.py)."""
+
+import torch
+from transformers.generation.streamers import BaseStreamer
+
+import ee_transformers as eet
+
+NEVER = dict(exit_criterion="max_prob", exit_threshold=1.0)  # a softmax of a tiny random model never reaches 1
+ALWAYS = dict(exit_criterion="max_prob", exit_threshold=0.0)  # every row exits at the first checked exit
+
+
+def ee_model(base_dirs, family="llama", exit_layers=(0, 1, 2), perturb=True):
+    model = eet.from_base(base_dirs[family][0], exit_layers=list(exit_layers)).eval()
+    if perturb:  # heads that differ from the final norm, so a wrong head would show
+        torch.manual_seed(7)
+        with torch.no_grad():
+            for head in model.exit_heads:
+                head.norm.weight.mul_(torch.rand_like(head.norm.weight) + 0.5)
+                if getattr(head.norm, "bias", None) is not None:
+                    head.norm.bias.add_(torch.rand_like(head.norm.bias) - 0.5)
+    return model
+
+
+def model_with(base_dirs, family="llama", seed=7, **exit_defaults):
+    """An early-exit model (exits after 0, 1, 2) with its own stored exit settings and heads perturbed by `seed`."""
+    model = ee_model(base_dirs, family, perturb=False)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for head in model.exit_heads:
+            head.norm.weight.mul_(torch.rand_like(head.norm.weight) + 0.5)
+    if exit_defaults:
+        model.set_exit_defaults(**exit_defaults)
+    return model
+
+
+def scripted_heads(model, per_exit):
+    """Replaces exit-head logits: per_exit[i](rows) -> logits (n, V) for exit i. Returns the patched model."""
+    vocab = model.config.vocab_size
+
+    def logits_from_hidden(index, hidden):
+        return per_exit[index](hidden.shape[0], vocab, hidden)
+
+    model.exit_logits_from_hidden = logits_from_hidden
+    return model
+
+
+class Collect(BaseStreamer):
+    def __init__(self):
+        self.chunks, self.ended = [], False
+
+    def put(self, value):
+        self.chunks.append(value.clone())
+
+    def end(self):
+        self.ended = True
+
+
+def numbered_tokenizer():
+    """A word-level tokenizer over the tiny models' 99 ids whose words name them: `<pad>` 0, `<s>` 1, `w2`..`w97`, `</s>` 98."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, **{f"w{i}": i for i in range(2, 98)}, "</s>": 98}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
