@@ -7,6 +7,7 @@ from collections import Counter
 import pytest
 import torch
 from conftest import LayerCalls, make_base
+from helpers import ee_model
 from transformers import CompileConfig, ContinuousBatchingConfig, GenerationConfig
 
 import ee_transformers as eet
@@ -19,20 +20,11 @@ SMALL = dict(num_blocks=32, page_size=16, max_batch_tokens=64)  # sized for the 
 CB = ContinuousBatchingConfig(auto_switch_to_flash=False, **SMALL)
 
 
-def ee_model(base_dirs, family="llama"):
-    model = eet.from_base(base_dirs[family][0], exit_layers=[0, 1, 2]).eval()
-    torch.manual_seed(7)
-    with torch.no_grad():  # heads that differ from the final norm, so a wrong head would show
-        for head in model.exit_heads:
-            head.norm.weight.mul_(torch.rand_like(head.norm.weight) + 0.5)
-    return model
-
-
 def median_confidence(model):
-    """The heads' median max-prob on a prompt: a threshold there gives a mix of exits."""
+    """The heads' median max-prob over the prompts' positions: a threshold there gives a mix of exits."""
     with torch.no_grad():
-        out = model(torch.tensor([PROMPTS[0]]), output_exit_logits=True)
-    return float(torch.cat([t[:, -1].softmax(-1).max(-1).values for t in out.exit_logits]).median())
+        logits = [t for p in PROMPTS for t in model(torch.tensor([p]), output_exit_logits=True).exit_logits]
+    return float(torch.cat([t[0].softmax(-1).max(-1).values for t in logits]).median())
 
 
 def config(**settings):
