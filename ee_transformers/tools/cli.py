@@ -50,6 +50,11 @@ SUBCOMMANDS = {
         "main",
         "a pool of early-exit models switched by their exit profiles vs each model alone",
     ),
+    "serve": (
+        "ee_transformers.tools.serve",
+        "main",
+        "serve an early-exit folder with transformers serve (OpenAI API; --continuous-batching for exits in batches)",
+    ),
     "demo": (
         "ee_transformers.tools.demo",
         "main",
