@@ -55,6 +55,11 @@ SUBCOMMANDS = {
         "main",
         "serve an early-exit folder with transformers serve (OpenAI API; --continuous-batching for exits in batches)",
     ),
+    "bench-serve": (
+        "ee_transformers.tools.bench.serve",
+        "main",
+        "transformers serve under load from the openai client: early-exit folders vs plain serving of the base",
+    ),
     "demo": (
         "ee_transformers.tools.demo",
         "main",

@@ -13,7 +13,9 @@ Three things this adds to transformers' server, and nothing else:
   answers 500. With `--continuous-batching`, transformers builds one batching manager for the whole server, so the
   exit settings are the folder's stored ones; a request that sets any answers 400 saying so, instead of being
   decoded with other settings than it asked for.
-- **a lean model.** `--exit-max-layer E` loads decoder layers 0..E only (HELIOS); tokens exit by layer E.
+- **a lean model and server-wide settings.** `--exit-max-layer E` loads decoder layers 0..E only (HELIOS): tokens
+  exit by layer E. `--exit-settings JSON` sets the server's exit settings (as `model.set_exit_defaults`) over the
+  folder's stored ones.
 
 Sequential serving (no `--continuous-batching`) runs `model.generate`, so per-request settings work there. With
 `--continuous-batching`, exits run inside transformers' continuous batching (`paged_early_exit.py`).
@@ -30,21 +32,28 @@ from ee_transformers.tools.arguments import ArgumentParser, InputError
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 
 
-class LeanLoader:
-    """What transformers' model manager calls for a class: `from_pretrained`, here with `exit_max_layer` set."""
+class FolderLoader:
+    """What transformers' model manager calls for a class: `from_pretrained`, here with `exit_max_layer` and
+    server-wide exit settings applied."""
 
-    def __init__(self, model_class, exit_max_layer: int):
-        self.model_class, self.exit_max_layer = model_class, exit_max_layer
+    def __init__(self, model_class, exit_max_layer: int | None = None, exit_settings: dict | None = None):
+        self.model_class, self.exit_max_layer, self.exit_settings = model_class, exit_max_layer, exit_settings or {}
 
     def from_pretrained(self, *args, **kwargs):
-        return self.model_class.from_pretrained(*args, exit_max_layer=self.exit_max_layer, **kwargs)
+        if self.exit_max_layer is not None:
+            kwargs["exit_max_layer"] = self.exit_max_layer
+        model = self.model_class.from_pretrained(*args, **kwargs)
+        if self.exit_settings:
+            model.set_exit_defaults(**self.exit_settings)
+        return model
 
 
-def register_classes(exit_max_layer: int | None = None) -> list[str]:
+def register_classes(exit_max_layer: int | None = None, exit_settings: dict | None = None) -> list[str]:
     """Puts this package's causal-LM classes on the `transformers` module (what `transformers serve` resolves)."""
     names = []
     for cls in FAMILIES.values():
-        setattr(transformers, cls.__name__, cls if exit_max_layer is None else LeanLoader(cls, exit_max_layer))
+        plain = exit_max_layer is None and not exit_settings
+        setattr(transformers, cls.__name__, cls if plain else FolderLoader(cls, exit_max_layer, exit_settings))
         names.append(cls.__name__)
     return names
 
@@ -64,7 +73,7 @@ def exit_settings_error(body: dict, model_config, continuous_batching: bool) -> 
     if continuous_batching:
         return (
             f"{sorted(exits)} in a request: with --continuous-batching, transformers runs one batching manager for the "
-            "whole server, so exit settings are the folder's stored ones (generation_config.json). Leave them out, or "
+            "whole server, so exit settings are the server's (the folder's stored ones, or --exit-settings). Leave them out, or "
             "serve without --continuous-batching for per-request settings."
         )
     try:
@@ -138,23 +147,36 @@ def main(argv=None):
     )
     parser.add_argument("folder", help="an early-exit folder (trust_remote_code is on)")
     parser.add_argument("--exit-max-layer", type=int, help="lean model: load decoder layers 0..E only (HELIOS)")
+    parser.add_argument(
+        "--exit-settings",
+        type=json.loads,
+        default=None,
+        help="the server's exit settings as JSON, over the stored ones, e.g. '{\"exit_threshold\": 0.9}'",
+    )
     args, rest = parser.parse_known_args(argv)
     try:
-        serve(args.folder, rest, args.exit_max_layer)
+        serve(args.folder, rest, args.exit_max_layer, args.exit_settings)
     except ValueError as error:  # one line and exit code 2, as every subcommand
         parser.exit(2, f"{parser.prog}: error: {' '.join(str(error).split())}\n")
     return 0
 
 
-def serve(folder: str, transformers_args: list, exit_max_layer: int | None = None):
+def serve(folder: str, transformers_args: list, exit_max_layer: int | None = None, exit_settings: dict | None = None):
     """Runs `transformers serve FOLDER --trust-remote-code *transformers_args` with this package's classes."""
     try:
         from transformers.cli.transformers import app  # noqa: PLC0415
     except ImportError as error:
-        raise InputError(f"serving needs transformers' server: pip install 'ee-transformers[serving]' ({error})") from error
+        raise InputError(
+            f"serving needs transformers' server: pip install 'ee-transformers[serving]' ({error})"
+        ) from error
     model_config = transformers.AutoConfig.from_pretrained(folder, trust_remote_code=True)
     if not getattr(model_config, "exit_layers", None):
         raise InputError(f"{folder} is not an early-exit folder (its config has no `exit_layers`)")
-    register_classes(exit_max_layer)
+    if exit_settings:
+        unknown = sorted(set(exit_settings) - set(EXIT_ARGUMENTS))
+        if unknown:
+            raise InputError(f"--exit-settings: {unknown} are not exit settings; allowed: {sorted(EXIT_ARGUMENTS)}")
+        resolve_exit_settings(model_config, {name: exit_settings.get(name) for name in EXIT_ARGUMENTS})
+    register_classes(exit_max_layer, exit_settings)
     install_exit_check(model_config, "--continuous-batching" in transformers_args)
     app(["serve", folder, "--trust-remote-code", *transformers_args], prog_name="ee-transformers serve")
