@@ -20,6 +20,7 @@ from .generation_early_exit import (
 from .lean_early_exit import ShedLayer, memory_report
 from .modeling_early_exit import *  # noqa: F403  (EarlyExit<Family>ForCausalLM / EarlyExit<Family>Model)
 from .modeling_early_exit import FAMILIES, EarlyExitMixin
+from .paged_early_exit import PagedTrace, record_paged_exits
 from .pool_early_exit import EarlyExitPool, GenerateEarlyExitPoolOutput
 from .speculative_early_exit import GenerateSpeculativeOutput
 from .tools.model_card import write_model_card
@@ -47,12 +48,14 @@ __all__ = [
     "GenerateEarlyExitOutput",
     "GenerateEarlyExitPoolOutput",
     "GenerateSpeculativeOutput",
+    "PagedTrace",
     "SUPPORTED_FAMILIES",
     "ShedLayer",
     "from_base",
     "memory_report",
     "model_class_for",
     "profile_exits",
+    "record_paged_exits",
     "register_exit_criterion",
     "write_model_card",
 ]
