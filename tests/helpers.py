@@ -64,3 +64,20 @@ def numbered_tokenizer():
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
+
+def served_folders(root):
+    """A tiny Llama base folder and its early-exit folder, both with a tokenizer and a chat template, under `root`;
+    the early-exit folder's stored exits (every token at layer 0) give text that full depth does not."""
+    from conftest import make_base
+
+    tok = numbered_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    make_base("llama").save_pretrained(root / "base")
+    tok.save_pretrained(root / "base")
+    model = eet.from_base(root / "base", exit_layers=[0, 1, 2]).eval()
+    model.set_exit_defaults(exit_criterion="max_prob", exit_threshold=0.0, exit_check_layers=[0])
+    model.generation_config.update(eos_token_id=-1, do_sample=False)
+    model.save_pretrained(root / "ee")
+    tok.save_pretrained(root / "ee")
+    return root / "base", root / "ee"

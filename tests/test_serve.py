@@ -13,8 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from conftest import make_base
-from helpers import numbered_tokenizer
+from helpers import numbered_tokenizer, served_folders
 
 import ee_transformers as eet
 from ee_transformers.tools.serve import exit_settings_error
@@ -28,17 +27,7 @@ NEW = 6
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    """A tiny Llama folder whose stored exits (every token at layer 0) give text that full depth does not."""
-    root = tmp_path_factory.mktemp("serve")
-    tok = numbered_tokenizer()
-    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-    make_base("llama").save_pretrained(root / "base")
-    model = eet.from_base(root / "base", exit_layers=[0, 1, 2]).eval()
-    model.set_exit_defaults(exit_criterion="max_prob", exit_threshold=0.0, exit_check_layers=[0])
-    model.generation_config.update(eos_token_id=-1, do_sample=False)
-    model.save_pretrained(root / "ee")
-    tok.save_pretrained(root / "ee")
-    return root / "ee"
+    return served_folders(tmp_path_factory.mktemp("serve"))[1]
 
 
 def expected_text(folder, prompt, chat=False, **kwargs):
