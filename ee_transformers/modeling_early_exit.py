@@ -79,7 +79,7 @@ from .generation_early_exit import (
     resolve_exit_settings,
 )
 from .lean_early_exit import is_lean, set_exit_max_layer, shed_layers
-from .paged_early_exit import check_paged_exits, is_paged, paged_step
+from .paged_early_exit import check_paged_exits, is_paged, loaded_layers_config, paged_step
 from .speculative_early_exit import (
     MAX_BATCH_FIELD,
     speculation_requested,
@@ -445,7 +445,11 @@ class EarlyExitMixin(ExitHeadsMixin):
                 "used there (they are lossless, so the text is the same; only their speed-up is lost)."
             )
         self._cb_exit_settings = settings
-        return super().init_continuous_batching(generation_config, cb_config, workload_hints)
+        manager = super().init_continuous_batching(generation_config, cb_config, workload_hints)
+        if is_lean(self) and manager.batch_processor is None:  # size the paged cache for the loaded layers only
+            with loaded_layers_config(self):
+                manager.warmup()
+        return manager
 
     def _paged_forward(self, input_ids, position_ids, attention_mask, cache, logits_to_keep, kwargs):
         settings = getattr(self, "_cb_exit_settings", _UNSET)

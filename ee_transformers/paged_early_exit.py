@@ -96,6 +96,25 @@ def check_paged_exits(model, settings, generation_config, cb_config):
     return dataclasses.replace(copy.copy(cb_config), allow_block_sharing=False, max_blocks_per_request=0)
 
 
+@contextmanager
+def loaded_layers_config(model):
+    """While continuous batching sizes its paged cache, `model.config.get_text_config()` names the loaded layers only
+    (a lean model): the layers it does not load get no cache pages, so their bytes become blocks for more requests."""
+    depth, config = loaded_depth(model), model.config
+    if depth == config.num_hidden_layers:
+        yield
+        return
+    view = copy.copy(config)
+    if getattr(config, "layer_types", None) is not None:
+        view.layer_types = list(config.layer_types[:depth])
+    view.num_hidden_layers = depth
+    config.get_text_config = lambda *args, **kwargs: view
+    try:
+        yield
+    finally:
+        del config.get_text_config
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # the packed batch
 # ---------------------------------------------------------------------------------------------------------------------

@@ -174,6 +174,24 @@ def test_lean_model_decodes_in_continuous_batching(base_dirs):
     assert (tokens, triples(trace)) == alone(model, config())
 
 
+def test_a_lean_model_pages_only_its_loaded_layers(base_dirs):
+    """The layers a lean model does not load get no paged-cache pages: a block holds the loaded layers only."""
+    sizes = {}
+    for depth in (4, 2):
+        model = ee_model(base_dirs, "qwen2-sliding")
+        if depth < 4:
+            model.set_exit_max_layer(depth - 1)
+        manager = model.init_continuous_batching(generation_config=config(), continuous_batching_config=CB)
+        if manager.batch_processor is None:  # a full model's cache is made when the manager warms up or starts
+            manager.warmup()
+        cache = manager.batch_processor.cache
+        assert sorted(cache.layer_to_allocator) == list(range(depth))
+        sizes[depth] = cache.cache_tensor.numel()  # bytes (uint8) of every page, trash slots included
+        manager.stop(block=True, timeout=5)
+        assert "get_text_config" not in vars(model.config)  # the loaded-layers view was only for the sizing
+    assert sizes[2] < 0.6 * sizes[4], sizes  # half the layers: about half the bytes for the same blocks
+
+
 def test_sampling_runs_on_the_exit_heads(base_dirs):
     model = ee_model(base_dirs)
     gc = config(exit_criterion="max_prob", exit_threshold=0.0, exit_check_layers=[0], do_sample=True, temperature=1.0)
