@@ -2,13 +2,7 @@
 127.0.0.1 (a child process, killed by its PID), with and without `--continuous-batching`."""
 
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
-import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -16,6 +10,7 @@ import torch
 from helpers import numbered_tokenizer, served_folders
 
 import ee_transformers as eet
+from ee_transformers.tools.bench.serve import ServerProcess, openai_client
 from ee_transformers.tools.serve import exit_settings_error
 
 openai = pytest.importorskip("openai")  # transformers[serving], in the package's `serving` / `all` extras
@@ -46,42 +41,12 @@ def words(text):
     return " ".join(text.split())
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """`ee-transformers serve FOLDER` as a child process; `stop()` kills it by its PID and returns its log."""
-
-    def __init__(self, folder, flags, log_path):
-        self.port, self.log_path = free_port(), log_path
-        cmd = [sys.executable, "-m", "ee_transformers.tools.cli", "serve", str(folder), "--host", "127.0.0.1"]
-        cmd += ["--port", str(self.port), "--device", "cpu", *flags]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=env)
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited at start-up:\n{self.log()}")
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1)
-                break
-            except OSError:
-                time.sleep(0.3)
-        else:
-            self.stop()
-            raise RuntimeError(f"the server did not answer /health within 120 s:\n{self.log()}")
-        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none", timeout=120)
-
-    def log(self):
-        return open(self.log_path).read()
-
-    def stop(self):
-        os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=30)
-        return self.log()
+def start(folder, flags, log_path):
+    """`ee-transformers serve FOLDER` as a child process (killed by its PID in `stop()`), with an openai client."""
+    argv = [sys.executable, "-m", "ee_transformers.tools.cli", "serve", str(folder), *flags]
+    server = ServerProcess(argv, threads=1, log_path=log_path)
+    server.client = openai_client(server)
+    return server
 
 
 def ask(client, folder, i):
@@ -105,7 +70,7 @@ def ask(client, folder, i):
 
 @pytest.mark.parametrize("flags", [[], CB_FLAGS], ids=["sequential", "continuous-batching"])
 def test_concurrent_requests_from_the_openai_client(folder, flags, tmp_path):
-    server = Server(folder, flags, tmp_path / "server.log")
+    server = start(folder, flags, tmp_path / "server.log")
     try:
         with ThreadPoolExecutor(max_workers=8) as pool:
             answers = list(pool.map(lambda i: ask(server.client, folder, i), range(len(PROMPTS))))
@@ -129,7 +94,7 @@ def test_concurrent_requests_from_the_openai_client(folder, flags, tmp_path):
 
 
 def test_per_request_exit_settings_in_sequential_serving(folder, tmp_path):
-    server = Server(folder, [], tmp_path / "server.log")
+    server = start(folder, [], tmp_path / "server.log")
     try:
         gc = json.dumps({"early_exit": False, "max_new_tokens": NEW, "eos_token_id": -1, "do_sample": False})
         out = server.client.completions.create(
