@@ -1,7 +1,7 @@
 """Per-family adapters: everything the early-exit core needs to know about a model family, in one small place.
 
-The core (`generation_early_exit.py`) runs the family's own decoder layers one by one, so it can stop a row early.
-It asks the family's adapter for exactly these things, and nothing else:
+The core (`decode_core.run_layers`, the layer loop of every mode) runs the family's own decoder layers one by one,
+so a row can stop early. It asks the family's adapter for exactly these things, and nothing else:
 
 | method | what it returns |
 |---|---|

@@ -6,10 +6,16 @@
 
     prefill(model, ids)          every layer runs for every prompt position (the prompt's K/V are complete); each row's
                                  first token comes from the first exit whose criterion holds at the last position
-    decode_one_token(model, id)  the layer loop: after each checked exit, `check_exit` decides which running rows stop;
-                                 stopped rows leave the running batch (row policy) or the loop ends (batch policy);
-                                 their K/V in the skipped layers are backfilled from the exit state (or deferred)
+                                 (`first_confident_exit`)
+    decode_one_token(model, id)  the layers run from one checked exit to the next; at each, the exit rule (`exit_at`)
+                                 decides which running rows stop; stopped rows leave the running batch (row policy) or
+                                 the step ends (batch policy); their K/V in the skipped layers are backfilled from the
+                                 exit state (or deferred)
     Decided.finish(model)        the step's one LM-head call for every row that was decided without logits
+
+The layer loop itself is `decode_core.run_layers`, the one every mode runs; the exit rule is `exit_at` (one checked
+exit) and `first_confident_exit` (over states already computed at the checked exits), which continuous batching, the
+pool's profiles and `ee-transformers profile` use too.
 
 Part of the Hub runtime: imports only torch, transformers and its siblings.
 """
@@ -23,6 +29,7 @@ from torch.profiler import record_function
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .cache_early_exit import EarlyExitCache, RowSubsetCache
+from .decode_core import run_layers
 from .lean_early_exit import (
     LEAN_FIELDS,
     BreachGuard,
@@ -324,13 +331,14 @@ def resolve_exit_settings(config, values: dict) -> ExitSettings | None:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# one decoding step
+# one decoding step: its state, the exit check, the decided rows
 # ---------------------------------------------------------------------------------------------------------------------
 class StepState:
-    """What one decoding step remembers across its exit checks: stable-token runs, finished rows, the criterion's
-    per-step state."""
+    """What one decoding step remembers across its exit checks, for its `batch_size` rows on `device`: stable-token
+    runs, finished rows, the criterion's per-step state."""
 
     def __init__(self, settings, batch_size, device, unfinished):
+        self.batch_size, self.device = batch_size, device
         self.prev_argmax = self.run = None
         if settings.patience:
             self.prev_argmax = torch.full((batch_size,), -1, dtype=torch.long, device=device)
@@ -414,6 +422,72 @@ def decide(model, decided, layer, h_last, idx, rows, logits=None, head_out=None,
             )
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# the exit rule: the first checked exit whose criterion holds, else the deepest loaded layer
+# ---------------------------------------------------------------------------------------------------------------------
+def exit_at(model, settings, layer, h_out, h_in, rows, state, depth, decided=None, slots=None):
+    """The exit rule at one checked exit, for the running rows `rows` `(n,)` (indices into `state`) with states
+    h_out / h_in `(n, D)` leaving / entering `layer`: `check_exit`, then, with `decided`, `decide` for the confident
+    rows (recorded under `slots` `(n,)`, default `rows`). `depth`: the loaded layers.
+
+    Returns (exited, kept, left): the confident rows' positions among the n; the others' (None when no row exited, so
+    all go on; no second host sync is spent); and, when `layer` is the deepest loaded one, what the check computed for
+    the rows that go on (for `decide_deepest`), else (None, None)."""
+    confident, logits, head_out = check_exit(model, settings, layer, h_out, h_in, rows, state)
+    exited = confident.nonzero().squeeze(1)  # the one host sync of this check
+    deepest = layer == depth - 1
+    if exited.numel() == 0:
+        return exited, None, (logits, head_out) if deepest else (None, None)
+    if decided is not None:
+        decide(model, decided, layer, h_out, exited, rows if slots is None else slots, logits, head_out)
+    if exited.numel() == confident.numel():  # every running row exits
+        return exited, exited[:0], (None, None)
+    kept = (~confident).nonzero().squeeze(1)
+    if not deepest:
+        return exited, kept, (None, None)
+    return exited, kept, tuple(None if t is None else t.index_select(0, kept) for t in (logits, head_out))
+
+
+def decide_deepest(model, decided, depth, h_last, rows, left=(None, None)):
+    """Records rows `rows` `(n,)`, which no checked exit took, as decided at the deepest loaded layer `depth - 1`: from
+    `left`, what its check computed for them, else from their states leaving it, h_last `(n, D)`. Greedy when a lean
+    model loads no deeper layer."""
+    idx = torch.arange(rows.numel(), device=h_last.device)
+    decide(model, decided, depth - 1, h_last, idx, rows, *left, greedy=depth < model.config.num_hidden_layers)
+
+
+def first_confident_exit(model, settings, at_exit, state, depth, decided=None, last=None, slots=None):
+    """The exit rule over states already computed at the checked exits, for the rows of `state`: each row exits at the
+    first checked exit below `depth` whose criterion holds (`exit_at`: patience and the batch policy included), else at
+    the deepest loaded layer `depth - 1`. at_exit: checked exit -> (h_out, h_in), `(n, D)` each.
+
+    Returns the exit layers `(n,)`. With `decided`, each row is recorded there too (under `slots[i]`, default i): at
+    its exit with what the check computed, or by `decide_deepest` from `last` `(n, D)`, the states leaving the deepest
+    loaded layer."""
+    rows = torch.arange(state.batch_size, device=state.device)  # undecided rows
+    exits = torch.full_like(rows, depth - 1)
+    left = (None, None)
+    for j in settings.check_layers:
+        if j >= depth:  # lean: not loaded
+            break
+        h_out, h_in = (t.index_select(0, rows) for t in at_exit[j])
+        row_slots = None if slots is None else slots.index_select(0, rows)
+        exited, kept, left = exit_at(model, settings, j, h_out, h_in, rows, state, depth, decided, row_slots)
+        if kept is None:
+            continue
+        exits.index_fill_(0, rows.index_select(0, exited), j)
+        rows = rows.index_select(0, kept)
+        if rows.numel() == 0:
+            return exits
+    if decided is not None:
+        row_slots = rows if slots is None else slots.index_select(0, rows)
+        decide_deepest(model, decided, depth, last.index_select(0, rows), row_slots, left)
+    return exits
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the prefill and the decoding step
+# ---------------------------------------------------------------------------------------------------------------------
 def backfill_kv(model, layer_idx, states, inputs):
     """K/V of layer `layer_idx` for exit states `(n, q, D)` that skipped it: its input norm, K/V projections, k-norm,
     rotary, through the module calls (so LoRA / quantized projections work)."""
@@ -423,121 +497,72 @@ def backfill_kv(model, layer_idx, states, inputs):
 
 def prefill(model, h, attention_mask, position_ids, cache, settings, state):
     """Every layer runs for every position of h `(B, q, D)`, so the prompt's K/V are complete; the token of each row
-    comes from the first checked exit whose criterion holds at the last position."""
-    fam, num_layers, depth = model.family, model.config.num_hidden_layers, loaded_depth(model)
-    inputs = fam.layer_inputs(model, h, attention_mask, cache, position_ids)
-    at_exit = {}  # exit layer -> (state leaving it, state entering it), (B, D) at the last position
-    for j in range(depth):
-        h_in = h
-        with record_function("ee::layer"):
-            h = fam.run_layer(model, j, h, inputs, cache)
-        if j in settings.thresholds:
-            at_exit[j] = (h[:, -1], h_in[:, -1])
+    comes from the first checked exit whose criterion holds at the last position (`first_confident_exit`)."""
+    depth = loaded_depth(model)
+    inputs = model.family.layer_inputs(model, h, attention_mask, cache, position_ids)
+    h, _, states = run_layers(model, h, inputs, cache, 0, depth, keep=settings.thresholds, label="ee::layer")
     keep_exit_states(model, settings, cache, h, inputs.position_ids)  # lean, guard on: for a later deepening
-    rows = torch.arange(h.shape[0], device=h.device)  # undecided rows
+    at_exit = {j: (h_out[:, -1], h_in[:, -1]) for j, (h_out, h_in) in states.items()}  # (B, D), the last position
     decided = Decided(h.shape[0])
-    left = (None, None)  # lean: what the check at the deepest loaded exit computed for the rows it left undecided
-    for j in settings.check_layers:
-        if j >= depth:  # lean: not loaded
-            break
-        h_out, h_in = (t.index_select(0, rows) for t in at_exit[j])
-        confident, logits, head_out = check_exit(model, settings, j, h_out, h_in, rows, state)
-        idx, keep = confident.nonzero().squeeze(1), (~confident).nonzero().squeeze(1)
-        if j == depth - 1:
-            left = tuple(None if t is None else t.index_select(0, keep) for t in (logits, head_out))
-        if idx.numel():
-            decide(model, decided, j, h_out, idx, rows, logits, head_out)
-            rows = rows.index_select(0, keep)
-            if rows.numel() == 0:
-                return decided.finish(model)
-    last = h[:, -1].index_select(0, rows)
-    decide(
-        model,
-        decided,
-        depth - 1,
-        last,
-        torch.arange(rows.numel(), device=h.device),
-        rows,
-        *left,
-        greedy=depth < num_layers,
-    )
+    first_confident_exit(model, settings, at_exit, state, depth, decided, last=h[:, -1])
     return decided.finish(model)
 
 
 def decode_one_token(model, h, attention_mask, mask_2d, position_ids, cache, settings, state):
-    """One decoding step, h `(B, 1, D)`, that stops each row at its exit.
+    """One decoding step, h `(B, 1, D)`, that stops each row at its exit: the layers run from one checked exit to the
+    next (`run_layers`), and at each the exit rule (`exit_at`) decides which running rows stop.
 
     Row policy: exited rows leave the running batch; a deeper layer runs only for the rows still going, and the cache
     still gets one full-batch update per layer (exited rows' K/V backfilled from their exit states). Batch policy: the
     same, with all rows leaving together. Deferred K/V: skipped layers get no K/V now; the exit states wait in the
     cache and join the next token that runs those layers.
     """
-    fam, num_layers, batch = model.family, model.config.num_hidden_layers, h.shape[0]
-    depth = loaded_depth(model)  # lean models run only their loaded layers
+    batch, depth = h.shape[0], loaded_depth(model)  # lean models run only their loaded layers
     deferred = settings.kv == "deferred"
-    step_inputs = fam.layer_inputs(model, h, attention_mask, cache, position_ids)  # the full batch's
+    step_inputs = model.family.layer_inputs(model, h, attention_mask, cache, position_ids)  # the full batch's
     inputs = step_inputs  # the running rows' (and, deferred, the pending tokens')
     rows = torch.arange(batch, device=h.device)  # running rows (batch indices)
     exited_rows, exited_states = [], []  # row policy: rows that stopped so far, their exit states (n, 1, D)
     decided = Decided(batch)
     layer_cache = cache  # what the layers see: the cache, or a view of it for the running rows
-    left = (None, None)  # lean: what the check at the deepest loaded exit computed for the rows it left undecided
-
-    for j in range(depth):
-        if deferred and (entry := cache.pop_pending(j)) is not None:
-            # tokens that skipped layer j earlier run it now, ahead of the current token (they are earlier)
-            h = torch.cat([entry.states, h], dim=1)  # (B, pending + 1, D)
-            pos = torch.cat([entry.position_ids, inputs.position_ids], dim=1)
-            inputs = fam.layer_inputs(model, h, mask_2d, cache, pos, layer_idx=j)
-        h_in = h
-        with record_function("ee::layer"):
-            h = fam.run_layer(model, j, h, inputs, layer_cache)
-        if j not in settings.thresholds:
+    left, start = (None, None), 0  # left: what the check at the deepest loaded exit computed for the rows it left
+    options = dict(join=deferred, mask_2d=mask_2d, label="ee::layer")  # deferred: pending tokens join at their layer
+    for j in [c for c in settings.check_layers if c < depth]:
+        h, inputs, states = run_layers(model, h, inputs, layer_cache, start, j + 1, keep=(j,), **options)
+        start, h_in = j + 1, states[j][1]
+        exited, kept, left = exit_at(model, settings, j, h[:, -1], h_in[:, -1], rows, state, depth, decided)
+        if kept is None:
             continue
-        confident, logits, head_out = check_exit(model, settings, j, h[:, -1], h_in[:, -1], rows, state)
-        idx = confident.nonzero().squeeze(1)  # the one host sync of this check
-        if idx.numel() == 0:
-            left = (logits, head_out) if j == depth - 1 else left
-            continue
-        decide(model, decided, j, h[:, -1], idx, rows, logits, head_out)
-        if idx.numel() == rows.numel():  # every running row has exited at j
+        if kept.numel() == 0:  # every running row has exited at j
+            whole, positions = _whole_batch(h, inputs, step_inputs, rows, exited_rows, exited_states)
             if deferred:
-                cache.add_pending(j + 1, h, inputs.position_ids)
+                cache.add_pending(j + 1, whole, positions)
                 return decided.finish(model)
-            states = _in_batch_order(exited_rows + [rows], exited_states + [h])  # (B, 1, D)
             for skipped in range(j + 1, depth):
-                cache.update(*backfill_kv(model, skipped, states, step_inputs), skipped)
-            keep_exit_states(model, settings, cache, states, step_inputs.position_ids)
+                cache.update(*backfill_kv(model, skipped, whole, step_inputs), skipped)
+            keep_exit_states(model, settings, cache, whole, positions)
             return decided.finish(model)
         # some rows exit: the rest go on as a smaller batch, through a view of the cache that backfills the others
-        keep = (~confident).nonzero().squeeze(1)
-        if j == depth - 1:
-            left = tuple(None if t is None else t.index_select(0, keep) for t in (logits, head_out))
-        exited_rows.append(rows.index_select(0, idx))
-        exited_states.append(h.index_select(0, idx))
-        rows, h = rows.index_select(0, keep), h.index_select(0, keep)
+        exited_rows.append(rows.index_select(0, exited))
+        exited_states.append(h.index_select(0, exited))
+        rows, h = rows.index_select(0, kept), h.index_select(0, kept)
         done_rows, done_states = torch.cat(exited_rows), torch.cat(exited_states)
         done_inputs, inputs = step_inputs.select(done_rows, batch), step_inputs.select(rows, batch)
         layer_cache = RowSubsetCache(cache, rows, _filler(model, batch, done_rows, done_states, done_inputs))
 
-    decide(
-        model,
-        decided,
-        depth - 1,
-        h[:, -1],
-        torch.arange(rows.numel(), device=h.device),
-        rows,
-        *left,
-        greedy=depth < num_layers,
-    )
+    h, inputs, _ = run_layers(model, h, inputs, layer_cache, start, depth, **options)
+    decide_deepest(model, decided, depth, h[:, -1], rows, left)
     if keeps_exit_states(model, settings):  # lean, guard on: the states leaving the deepest layer, in batch order
-        if exited_rows:
-            cache.add_pending(
-                depth, _in_batch_order(exited_rows + [rows], exited_states + [h]), step_inputs.position_ids
-            )
-        else:
-            cache.add_pending(depth, h, inputs.position_ids)
+        cache.add_pending(depth, *_whole_batch(h, inputs, step_inputs, rows, exited_rows, exited_states))
     return decided.finish(model)
+
+
+def _whole_batch(h, inputs, step_inputs, rows, exited_rows, exited_states):
+    """The states of every row `(B, q, D)`, in batch order, and their position ids: the running rows' h, with the exit
+    states of the rows that left the running batch (row policy) when any did."""
+    if not exited_rows:
+        return h, inputs.position_ids
+    return _in_batch_order(exited_rows + [rows], exited_states + [h]), step_inputs.position_ids
 
 
 def _in_batch_order(row_groups, state_groups):
@@ -826,10 +851,13 @@ __all__ = [
     "check_exit",
     "check_exit_argument",
     "decide",
+    "decide_deepest",
     "decode_one_token",
     "early_exit_generate",
     "early_exit_step",
+    "exit_at",
     "exit_layers_after_eos",
+    "first_confident_exit",
     "logit_score",
     "merged_exit_values",
     "prefill",

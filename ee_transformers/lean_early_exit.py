@@ -32,6 +32,8 @@ import torch
 from torch import nn
 from transformers.utils import cached_file
 
+from .decode_core import run_layers
+
 LEAN_FIELDS = ("exit_breach_limit", "exit_breach_window")  # generation settings of the quality guard
 
 
@@ -277,8 +279,7 @@ def deepen(model, cache, attention_mask) -> int:
         fam, h = model.family, entry.states  # (B, n, D)
         mask = None if attention_mask is None else attention_mask[:, : h.shape[1]]
         inputs = fam.layer_inputs(model, h, mask, cache, entry.position_ids, layer_idx=old_depth)  # an empty layer
-        for j in range(old_depth, new_max + 1):
-            h = fam.run_layer(model, j, h, inputs, cache)
+        h = run_layers(model, h, inputs, cache, old_depth, new_max + 1).h
         if is_lean(model):  # what leaves the new deepest layer waits for the next deepening
             cache.add_pending(new_max + 1, h, entry.position_ids)
     return new_max

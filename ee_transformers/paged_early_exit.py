@@ -34,12 +34,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
-from torch.profiler import record_function
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
 from transformers.utils import logging
 
+from .decode_core import run_layers
 from .families import LayerInputs
-from .generation_early_exit import Decided, StepState, backfill_kv, check_exit, decide
+from .generation_early_exit import Decided, StepState, backfill_kv, decide_deepest, exit_at, first_confident_exit
 from .lean_early_exit import keeps_exit_states, loaded_depth
 
 logger = logging.get_logger(__name__)
@@ -248,100 +248,90 @@ def record_paged_exits(model):
         model._paged_trace = None
 
 
+class _Live:
+    """The requests still in one step's packed batch: their ids (in packing order), their `Packed` batch, the packed
+    positions of their tokens in the step's row, and their residual stream h `(1, T', D)`."""
+
+    def __init__(self, model, batch, h, position_ids):
+        self.requests, self.batch, self.h = list(range(len(batch.q_lens))), batch, h
+        self.tokens = torch.arange(h.shape[1], device=h.device)
+        self.positions, self.position_ids = model.family.positions(model, h, position_ids), position_ids
+
+    def inputs(self) -> LayerInputs:
+        return LayerInputs(
+            self.batch.layer_masks(),
+            {k: take_tokens(v, self.tokens) for k, v in self.positions.items()},
+            self.position_ids.index_select(1, self.tokens),
+            attention=self.batch.attention,
+        )
+
+    def last_tokens(self, requests) -> torch.Tensor:
+        """The positions in h of the last token of each of `requests`."""
+        local = {r: k for k, r in enumerate(self.requests)}
+        return torch.tensor([self.batch.last_token(local[r]) for r in requests], device=self.h.device)
+
+    def drop(self, gone: set) -> bool:
+        """The requests `gone` leave the packed batch; returns whether any request is left."""
+        stay = [k for k, r in enumerate(self.requests) if r not in gone]
+        self.requests = [self.requests[k] for k in stay]
+        if self.requests:
+            index = self.batch.token_index(stay, self.h.device)
+            self.h, self.tokens = self.h.index_select(1, index), self.tokens.index_select(0, index)
+            self.batch = self.batch.keep(stay, self.h.device)
+        return bool(self.requests)
+
+
 def paged_step(model, settings, input_ids, position_ids, attention_mask, cache, logits_indices, attention):
     """One continuous-batching step with exits: logits `(1, n, V)` at `logits_indices` (the last token of each request
-    that gets a new token), each from the head that decided it."""
+    that gets a new token), each from the head that decided it. The packed batch runs from one checked exit to the next
+    (`run_layers`); at each, the decode tokens are checked (`exit_at`) and those that exit fill their skipped layers'
+    K/V and leave the batch, while the prompts' last tokens keep their states, decided after the last layer."""
     if attention.get("block_table") is not None:
         raise ValueError("Early exit in continuous batching needs the paged cache's index path, not a block table.")
-    fam, depth, device = model.family, loaded_depth(model), input_ids.device
+    depth, device = loaded_depth(model), input_ids.device
     batch = Packed.read(cache, attention_mask, attention)
     slot, wanted = _slots(batch, logits_indices.tolist())
-    n_req = len(batch.q_lens)
-    decoding = [slot[r] is not None and batch.q_lens[r] == 1 and batch.past(r) > 0 for r in range(n_req)]
-    prompt_ends = [r for r in range(n_req) if slot[r] is not None and not decoding[r]]
-
-    h = fam.embed(model, input_ids, position_ids)  # (1, T, D)
-    all_positions = fam.positions(model, h, position_ids)
-    live = list(range(n_req))  # requests still in the packed batch, in packing order
-    running = [r for r in range(n_req) if decoding[r]]  # decode requests not decided yet
-    dec_index = {r: i for i, r in enumerate(running)}  # decode request -> its row in the step state
-    state = StepState(settings, len(running), device, None)
-    decided = Decided(wanted)
-    tokens = torch.arange(h.shape[1], device=device)  # packed positions of the live tokens
+    decoding = [s is not None and batch.q_lens[r] == 1 and batch.past(r) > 0 for r, s in enumerate(slot)]
+    prompt_ends = [r for r, s in enumerate(slot) if s is not None and not decoding[r]]
+    live = _Live(model, batch, model.family.embed(model, input_ids, position_ids), position_ids)  # h: (1, T, D)
+    running = [r for r in live.requests if decoding[r]]  # decode requests not decided yet
+    row_of = {r: i for i, r in enumerate(running)}  # decode request -> its row in the step state
+    state, decided = StepState(settings, len(running), device, None), Decided(wanted)
     at_exit = {}  # exit layer -> (states leaving it, states entering it) of the prompts' last tokens
-    left = (None, None)
-
-    def layer_inputs():
-        return LayerInputs(
-            batch.layer_masks(),
-            {k: take_tokens(v, tokens) for k, v in all_positions.items()},
-            position_ids.index_select(1, tokens),
-            attention=batch.attention,
-        )
-
-    inputs = layer_inputs()
-    for j in range(depth):
-        h_in = h
-        with record_function("ee::layer"):
-            h = fam.run_layer(model, j, h, inputs, cache)
-        if j not in settings.thresholds:
-            continue
-        local = {r: k for k, r in enumerate(live)}
+    left, start, inputs = (None, None), 0, live.inputs()
+    for j in [c for c in settings.check_layers if c < depth]:
+        live.h, _, states = run_layers(model, live.h, inputs, cache, start, j + 1, keep=(j,), label="ee::layer")
+        start, h_in = j + 1, states[j][1]
         if prompt_ends:
-            ends = torch.tensor([batch.last_token(local[r]) for r in prompt_ends], device=device)
-            at_exit[j] = (h[0].index_select(0, ends), h_in[0].index_select(0, ends))
+            ends = live.last_tokens(prompt_ends)
+            at_exit[j] = (live.h[0].index_select(0, ends), h_in[0].index_select(0, ends))
         if not running:
             continue
-        rows = torch.tensor([dec_index[r] for r in running], device=device)
+        at, rows = live.last_tokens(running), torch.tensor([row_of[r] for r in running], device=device)
         slots = torch.tensor([slot[r] for r in running], device=device)
-        at = torch.tensor([batch.last_token(local[r]) for r in running], device=device)
-        h_out = h[0].index_select(0, at)
-        confident, logits, head_out = check_exit(model, settings, j, h_out, h_in[0].index_select(0, at), rows, state)
-        idx = confident.nonzero().squeeze(1)
-        keep = (~confident).nonzero().squeeze(1)
-        if j == depth - 1:
-            left = tuple(None if t is None else t.index_select(0, keep) for t in (logits, head_out))
-        if idx.numel() == 0:
+        h_out = live.h[0].index_select(0, at)
+        exited, kept, left = exit_at(
+            model, settings, j, h_out, h_in[0].index_select(0, at), rows, state, depth, decided, slots
+        )
+        if kept is None:
             continue
-        decide(model, decided, j, h_out, idx, slots, logits, head_out)
-        gone = [running[i] for i in idx.tolist()]
-        _fill_skipped(model, batch, cache, j + 1, depth, h_out.index_select(0, idx), at.index_select(0, idx), inputs)
-        running = [running[i] for i in keep.tolist()]
-        live = [r for r in live if r not in set(gone)]
-        if not live:
+        _fill_skipped(
+            model, live.batch, cache, j + 1, depth, h_out.index_select(0, exited), at.index_select(0, exited), inputs
+        )
+        gone, running = {running[i] for i in exited.tolist()}, [running[i] for i in kept.tolist()]
+        if not live.drop(gone):
             break
-        kept = [local[r] for r in live]
-        tokens_local = batch.token_index(kept, device)
-        h, tokens, batch = (
-            h.index_select(1, tokens_local),
-            tokens.index_select(0, tokens_local),
-            batch.keep(kept, device),
-        )
-        inputs = layer_inputs()
-
+        inputs = live.inputs()
+    if live.requests:
+        live.h = run_layers(model, live.h, inputs, cache, start, depth, label="ee::layer").h
     if running:
-        local = {r: k for k, r in enumerate(live)}
-        at = torch.tensor([batch.last_token(local[r]) for r in running], device=device)
         slots = torch.tensor([slot[r] for r in running], device=device)
-        idx = torch.arange(len(running), device=device)
-        decide(
-            model,
-            decided,
-            depth - 1,
-            h[0].index_select(0, at),
-            idx,
-            slots,
-            *left,
-            greedy=depth < model.config.num_hidden_layers,
-        )
+        decide_deepest(model, decided, depth, live.h[0].index_select(0, live.last_tokens(running)), slots, left)
     if prompt_ends:
-        local = {r: k for k, r in enumerate(live)}
-        ends = torch.tensor([batch.last_token(local[r]) for r in prompt_ends], device=device)
-        _decide_prompt_ends(
-            model, settings, decided, at_exit, h[0].index_select(0, ends), [slot[r] for r in prompt_ends], depth
-        )
+        last = live.h[0].index_select(0, live.last_tokens(prompt_ends))
+        _decide_prompt_ends(model, settings, decided, at_exit, last, [slot[r] for r in prompt_ends], depth)
     if not decided.groups:  # prompt chunks only: no token gets a new token this step
-        return h.new_zeros(1, wanted, model.config.vocab_size), torch.zeros(0, dtype=torch.long, device=device)
+        return live.h.new_zeros(1, wanted, model.config.vocab_size), torch.zeros(0, dtype=torch.long, device=device)
     logits, exit_layers, _ = decided.finish(model)
     return logits.unsqueeze(0), exit_layers
 
@@ -371,28 +361,9 @@ def _fill_skipped(model, batch, cache, first, depth, states, at, inputs):
 
 def _decide_prompt_ends(model, settings, decided, at_exit, last, slots, depth):
     """The first token of each request whose prompt ended this step: the first checked exit whose criterion holds at
-    the prompt's last token, else the deepest loaded layer (as `prefill` does, one request at a time)."""
+    the prompt's last token, else the deepest loaded layer (`first_confident_exit`, as `prefill` does, one request at
+    a time)."""
     row_settings = dataclasses.replace(settings, policy="row")
-    device = last.device
-    state = StepState(row_settings, len(slots), device, None)
-    rows = torch.arange(len(slots), device=device)
-    slot_of = torch.tensor(slots, device=device)
-    left = (None, None)
-    for j in row_settings.check_layers:
-        if j >= depth:
-            break
-        h_out, h_in = (t.index_select(0, rows) for t in at_exit[j])
-        confident, logits, head_out = check_exit(model, row_settings, j, h_out, h_in, rows, state)
-        idx, keep = confident.nonzero().squeeze(1), (~confident).nonzero().squeeze(1)
-        if j == depth - 1:
-            left = tuple(None if t is None else t.index_select(0, keep) for t in (logits, head_out))
-        if idx.numel():
-            decide(model, decided, j, h_out, idx, slot_of.index_select(0, rows), logits, head_out)
-            rows = rows.index_select(0, keep)
-            if rows.numel() == 0:
-                return
-    idx = torch.arange(rows.numel(), device=device)
-    greedy = depth < model.config.num_hidden_layers
-    decide(
-        model, decided, depth - 1, last.index_select(0, rows), idx, slot_of.index_select(0, rows), *left, greedy=greedy
-    )
+    state = StepState(row_settings, len(slots), last.device, None)
+    slots = torch.tensor(slots, device=last.device)
+    first_confident_exit(model, row_settings, at_exit, state, depth, decided, last, slots)

@@ -52,14 +52,15 @@ import torch
 from transformers import DynamicCache, GenerationMixin
 
 from .cache_early_exit import EarlyExitCache
+from .decode_core import run_layers
 from .generation_early_exit import (
     EXIT_ARGUMENTS,
     ExitCriterion,
     ExitSettings,
     GenerateEarlyExitOutput,
     StepState,
-    check_exit,
     early_exit_generate,
+    first_confident_exit,
     merged_exit_values,
     resolve_exit_settings,
 )
@@ -176,41 +177,25 @@ def catch_up(model, input_ids, attention_mask, position_ids, cache, layers) -> d
     h = fam.embed(model, input_ids, position_ids)  # (B, q, D)
     q = h.shape[1]
     inputs = fam.layer_inputs(model, h, attention_mask, cache, position_ids)
-    at_exit = {}
-    for j in range(model.config.num_hidden_layers):
-        entry = cache.pop_pending(j) if isinstance(cache, EarlyExitCache) else None
-        if entry is not None:  # tokens that skipped layer j earlier run it now (they are earlier positions)
-            h = torch.cat([entry.states, h], dim=1)
-            positions = torch.cat([entry.position_ids, inputs.position_ids], dim=1)
-            inputs = fam.layer_inputs(model, h, attention_mask, cache, positions, layer_idx=j)
-        h_in = h
-        h = fam.run_layer(model, j, h, inputs, cache)
-        if j in layers:
-            at_exit[j] = (h[:, -q:], h_in[:, -q:])
-    return at_exit
+    num_layers, join = model.config.num_hidden_layers, isinstance(cache, EarlyExitCache)
+    states = run_layers(model, h, inputs, cache, 0, num_layers, keep=layers, join=join, mask_2d=attention_mask).states
+    return {j: (h_out[:, -q:], h_in[:, -q:]) for j, (h_out, h_in) in states.items()}
 
 
 def profile_exits(model, settings, at_exit, shape, running=None) -> torch.LongTensor:
     """The exit layer `(B, q)` each position's token would take on `model` under `settings`, from the states of
-    `catch_up`: the first checked exit whose criterion (the same `check_exit`, patience included) holds, else full
-    depth. Decided per token (row policy); with the batch policy a position takes the deepest exit of its `running`
-    rows `(B, q)` (default: all), as a batch step waits for its deepest row but never for one that has ended."""
+    `catch_up`: the first checked exit whose criterion holds, else full depth (decoding's own exit rule,
+    `first_confident_exit`, patience included). Decided per token (row policy); with the batch policy a position takes
+    the deepest exit of its `running` rows `(B, q)` (default: all), as a batch step waits for its deepest row but never
+    for one that has ended."""
     batch, q = shape
-    n = batch * q
-    exits = torch.full((n,), model.config.num_hidden_layers - 1, dtype=torch.long, device=model.device)
+    n, num_layers = batch * q, model.config.num_hidden_layers
     if n == 0:
-        return exits.view(batch, q)
+        return torch.full((batch, q), num_layers - 1, dtype=torch.long, device=model.device)
     per_token = dataclasses.replace(settings, policy="row")
-    state = StepState(per_token, n, exits.device, None)  # n tokens checked as one step of n rows
-    undecided = torch.arange(n, device=exits.device)
-    for j in settings.check_layers:
-        h_out, h_in = (t.reshape(n, -1).index_select(0, undecided) for t in at_exit[j])
-        confident, _, _ = check_exit(model, per_token, j, h_out, h_in, undecided, state)
-        exits.index_fill_(0, undecided[confident], j)
-        undecided = undecided[~confident]
-        if undecided.numel() == 0:
-            break
-    exits = exits.view(batch, q)
+    state = StepState(per_token, n, model.device, None)  # n tokens checked as one step of n rows
+    states = {j: tuple(t.reshape(n, -1) for t in at_exit[j]) for j in settings.check_layers}
+    exits = first_confident_exit(model, per_token, states, state, num_layers).view(batch, q)
     if settings.policy == "batch":
         counted = exits if running is None else exits.masked_fill(~running, -1)
         exits = counted.max(0, keepdim=True).values.expand(batch, q)

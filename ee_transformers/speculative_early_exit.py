@@ -59,6 +59,7 @@ from torch import nn
 from torch.profiler import record_function
 from transformers.generation.stopping_criteria import MaxLengthCriteria, StoppingCriteriaList
 
+from .decode_core import run_layers
 from .generation_early_exit import EXIT_ARGUMENTS, GenerateEarlyExitOutput
 from .lean_early_exit import _is_int
 
@@ -459,8 +460,7 @@ def prefill(model, input_ids, attention_mask, position_ids, cache):
     h = fam.embed(model, input_ids, position_ids)  # (B, P, D)
     inputs = fam.layer_inputs(model, h, attention_mask, cache, position_ids)
     with record_function("ee::prefill"):
-        for j in range(model.config.num_hidden_layers):
-            h = fam.run_layer(model, j, h, inputs, cache)
+        h = run_layers(model, h, inputs, cache, 0, model.config.num_hidden_layers).h
     with record_function("ee::final_head"):
         return fam.head_logits(model, fam.final_norm(model)(h[:, -1])).float()
 
@@ -473,9 +473,7 @@ def draft_step(model, exit_layer, tokens, batch, cache, i):
     h = fam.embed(model, tokens[:, None], position_ids)
     inputs = fam.layer_inputs(model, h, batch.attention_mask(i + 1), cache, position_ids)
     with record_function("ee::draft_step"):  # one label per step, not per layer: a label costs ~10-25 us on a CPU
-        for j in range(exit_layer + 1):
-            h = fam.run_layer(model, j, h, inputs, cache)
-    return h
+        return run_layers(model, h, inputs, cache, 0, exit_layer + 1).h
 
 
 def draft_head(model, settings, h):
@@ -496,10 +494,8 @@ def verify(model, exit_layer, states, batch, cache):
     inputs = fam.layer_inputs(
         model, states, batch.attention_mask(states.shape[1]), cache, position_ids, layer_idx=exit_layer + 1
     )  # masks sized from layer E+1's cache, which lacks the round
-    h = states
     with record_function("ee::verify"):
-        for j in range(exit_layer + 1, model.config.num_hidden_layers):
-            h = fam.run_layer(model, j, h, inputs, cache)
+        h = run_layers(model, states, inputs, cache, exit_layer + 1, model.config.num_hidden_layers).h
     with record_function("ee::final_head"):
         return fam.head_logits(model, fam.final_norm(model)(h)).float()
 

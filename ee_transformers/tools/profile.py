@@ -25,7 +25,7 @@ import torch
 from ee_transformers.generation_early_exit import (
     EXIT_FIELDS,
     StepState,
-    check_exit,
+    first_confident_exit,
     merged_exit_values,
     resolve_exit_settings,
 )
@@ -151,22 +151,14 @@ def _windows(tokenizer, texts, window):
 @torch.no_grad()
 def decide_positions(model, settings, hidden_states, chunk=1024) -> torch.Tensor:
     """Deciding layer of every position `(N,)`, from `hidden_states` (the model's output_hidden_states, each entry
-    flattened to `(N, D)`), with the decoding loop's own exit check (`check_exit`), one token at a time."""
+    flattened to `(N, D)`), with the decoding loop's own exit rule (`first_confident_exit`), one token at a time."""
     num_layers, n = model.config.num_hidden_layers, hidden_states[0].shape[0]
     decided = torch.full((n,), num_layers - 1, dtype=torch.long, device=hidden_states[0].device)
     for start in range(0, n, chunk):
         stop = min(start + chunk, n)
-        rows = torch.arange(stop - start, device=decided.device)  # undecided positions of this chunk
         state = StepState(settings, stop - start, decided.device, None)
-        for j in settings.check_layers:
-            h_out, h_in = hidden_states[j + 1][start:stop], hidden_states[j][start:stop]
-            confident, _, _ = check_exit(
-                model, settings, j, h_out.index_select(0, rows), h_in.index_select(0, rows), rows, state
-            )
-            decided[start:stop].index_fill_(0, rows[confident], j)
-            rows = rows[~confident]
-            if rows.numel() == 0:
-                break
+        at_exit = {j: (hidden_states[j + 1][start:stop], hidden_states[j][start:stop]) for j in settings.check_layers}
+        decided[start:stop] = first_confident_exit(model, settings, at_exit, state, num_layers)
     return decided
 
 

@@ -304,26 +304,8 @@ def simulate(
     group: batch policy at batch size `group`: positions are drawn into seeded random groups of that size that decide
     together (a group exits at the first checked exit where every row is confident), as `exit_policy="batch"` does.
     Returns agreement, mean exit layer (0-based, full depth = num_layers - 1), exit rate and predicted speed-up."""
-    scores, argmax, final = data["scores"][:, check], data["argmax"][:, check], data["final"]
-    n, m = scores.shape
-    fire = scores >= torch.tensor(thresholds, dtype=scores.dtype)
-    if patience:
-        run = torch.ones_like(argmax)
-        for j in range(1, m):
-            run[:, j] = torch.where(argmax[:, j] == argmax[:, j - 1], run[:, j - 1] + 1, torch.ones_like(run[:, j]))
-        fire |= run >= patience
-    if group > 1:
-        units = n // group
-        if units == 0:
-            raise ValueError(f"Cannot simulate batches of {group} with only {n} positions.")
-        rows = torch.randperm(n, generator=torch.Generator().manual_seed(0))[: units * group].view(units, group)
-        fire_units = fire[rows].all(1)  # (units, m): the whole group is confident
-    else:
-        rows, units, fire_units = torch.arange(n).view(n, 1), n, fire
-    fired = fire_units.any(1)  # (units,)
-    first = torch.where(fired, fire_units.float().argmax(1), torch.full((units,), m - 1))
-    layers_t = torch.tensor([exit_layers[c] for c in check])
-    exit_layer = torch.where(fired, layers_t[first], torch.full((units,), num_layers - 1))  # (units,)
+    rows, first, fired, exit_layer = simulated_exits(data, exit_layers, num_layers, check, thresholds, patience, group)
+    argmax, final = data["argmax"][:, check], data["final"]
     # per row: the group's exit decides which head's argmax a row emits
     row_first = first[:, None].expand_as(rows).reshape(-1)
     row_fired = fired[:, None].expand_as(rows).reshape(-1)
@@ -347,6 +329,38 @@ def simulate(
         "speedup": float(full / cost.mean()),
         "positions": int(flat.numel()),
     }
+
+
+def simulated_exits(data, exit_layers, num_layers, check, thresholds, patience=0, group=1):
+    """The exit rule of `simulate`, vectorised over recorded scores (the runtime's `first_confident_exit` on the same
+    scores decides the same layers): a position exits at the first checked exit whose score >= threshold (or, with
+    patience k, whose argmax the k-1 checked exits before it share), else at full depth; with `group` > 1, seeded random
+    groups of positions exit together, at the first checked exit where every one of them is confident.
+
+    Returns (rows `(units, group)`: each unit's positions, one unit per position in order when `group` is 1; first
+    `(units,)`: the index into `check` of its exit, the last where none fired; fired `(units,)`; exit_layer `(units,)`).
+    """
+    scores, argmax = data["scores"][:, check], data["argmax"][:, check]
+    n, m = scores.shape
+    fire = scores >= torch.tensor(thresholds, dtype=scores.dtype)
+    if patience:
+        run = torch.ones_like(argmax)
+        for j in range(1, m):
+            run[:, j] = torch.where(argmax[:, j] == argmax[:, j - 1], run[:, j - 1] + 1, torch.ones_like(run[:, j]))
+        fire |= run >= patience
+    if group > 1:
+        units = n // group
+        if units == 0:
+            raise ValueError(f"Cannot simulate batches of {group} with only {n} positions.")
+        rows = torch.randperm(n, generator=torch.Generator().manual_seed(0))[: units * group].view(units, group)
+        fire_units = fire[rows].all(1)  # (units, m): the whole group is confident
+    else:
+        rows, units, fire_units = torch.arange(n).view(n, 1), n, fire
+    fired = fire_units.any(1)  # (units,)
+    first = torch.where(fired, fire_units.float().argmax(1), torch.full((units,), m - 1))
+    layers_t = torch.tensor([exit_layers[c] for c in check])
+    exit_layer = torch.where(fired, layers_t[first], torch.full((units,), num_layers - 1))  # (units,)
+    return rows, first, fired, exit_layer
 
 
 def _threshold_grid(values: torch.Tensor, count: int = 40) -> list[float]:
