@@ -51,7 +51,9 @@ def main():
         ),
     }
     budget = args.budget_mib * 2**20
-    print(f"| model | layers paged | weights MiB | cache bytes/token | tokens in {args.budget_mib:.0f} MiB | requests |")
+    print(
+        f"| model | layers paged | weights MiB | cache bytes/token | tokens in {args.budget_mib:.0f} MiB | requests |"
+    )
     print("|---|---|---|---|---|---|")
     for name, r in rows.items():
         tokens = max(0, budget - r["weights MiB"] * 2**20) / r["cache bytes / token"]

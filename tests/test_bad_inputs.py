@@ -310,6 +310,26 @@ CASES = {
         2,
         "`--lookup-tokens` must be a non-empty list, each element an integer >= 1",
     ),
+    "serve: not an early-exit folder": (
+        lambda w: ["serve", str(w / "base")],
+        2,
+        "`folder` '{w}/base' is not an early-exit folder",
+    ),
+    "serve: --exit-settings names no exit setting": (
+        lambda w: ["serve", str(w / "ee"), "--exit-settings", '{"exit_speed": 2}'],
+        2,
+        "--exit-settings: ['exit_speed'] are not exit settings",
+    ),
+    "bench-serve: --model does not exist": (
+        lambda w: ["bench-serve", "--model", str(w / "nowhere"), "--base", str(w / "base")],
+        2,
+        "`--model` '{w}/nowhere' does not exist",
+    ),
+    "bench-serve: --servers fast": (
+        lambda w: ["bench-serve", "--model", str(w / "ee"), "--base", str(w / "base"), "--servers", "fast"],
+        2,
+        "`--servers`",
+    ),
     "bench-pool: --interval 0": (
         lambda w: ["bench-pool", "--interval", "0", "--out", str(w / "pool-out")],
         2,

@@ -25,6 +25,7 @@ import json
 
 import transformers
 
+from ee_transformers.convert import read_config
 from ee_transformers.generation_early_exit import EXIT_ARGUMENTS, resolve_exit_settings
 from ee_transformers.modeling_early_exit import FAMILIES
 from ee_transformers.tools.arguments import ArgumentParser, InputError
@@ -169,9 +170,9 @@ def serve(folder: str, transformers_args: list, exit_max_layer: int | None = Non
         raise InputError(
             f"serving needs transformers' server: pip install 'ee-transformers[serving]' ({error})"
         ) from error
+    if not read_config(folder, "folder").get("exit_layers"):
+        raise InputError(f"`folder` {str(folder)!r} is not an early-exit folder (its config has no `exit_layers`).")
     model_config = transformers.AutoConfig.from_pretrained(folder, trust_remote_code=True)
-    if not getattr(model_config, "exit_layers", None):
-        raise InputError(f"{folder} is not an early-exit folder (its config has no `exit_layers`)")
     if exit_settings:
         unknown = sorted(set(exit_settings) - set(EXIT_ARGUMENTS))
         if unknown:

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from ee_transformers.convert import read_config
 from ee_transformers.tools.arguments import (
     ArgumentParser,
     InputError,
@@ -253,8 +254,9 @@ def format_serve(rows, header=True) -> str:
 
 def _run(args):
     config = config_from_args(ServeBenchConfig, args)
-    if not Path(args.model).is_dir() or not Path(args.base).is_dir():
-        raise InputError(f"--model and --base must be folders, got {args.model!r} and {args.base!r}")
+    if not read_config(args.model, "--model").get("exit_layers"):
+        raise InputError(f"`--model` {args.model!r} is not an early-exit folder (its config has no `exit_layers`).")
+    read_config(args.base, "--base")
     run_serve_bench(args.model, args.base, config, out=Path(args.out) if args.out else None)
 
 
