@@ -78,22 +78,28 @@ def check_paged_exits(model, settings, generation_config, cb_config):
             "CUDA graphs (`use_cuda_graph`) cannot capture early exit (the layer loop stops at data-dependent "
             "depths); pass `use_cuda_graph=False`, or `early_exit=False`."
         )
-    if (
-        "flash" in str(model.config._attn_implementation)
-        or cb_config.auto_switch_to_flash
-        and model.device.type == "cuda"
-    ):
+    if "flash" in str(model.config._attn_implementation):
         raise ValueError(
             f"Early exit in continuous batching runs with attention 'sdpa' or 'paged|eager', not "
-            f"'{model.config._attn_implementation}' (or an automatic switch to flash attention): load the model with "
-            "`attn_implementation='sdpa'` and pass `ContinuousBatchingConfig(auto_switch_to_flash=False)`."
+            f"'{model.config._attn_implementation}': load the model with `attn_implementation='sdpa'`."
         )
     if cb_config.allow_block_sharing:
         logger.warning_once(
             "Early exit in continuous batching: prefix sharing of cache blocks is off (a block written by exited "
             "tokens holds backfilled K/V, not the full-depth K/V a prompt must read)."
         )
-    return dataclasses.replace(copy.copy(cb_config), allow_block_sharing=False, max_blocks_per_request=0)
+    if cb_config.auto_switch_to_flash and model.device.type != "cpu":
+        logger.warning_once(
+            "Early exit in continuous batching keeps the model's attention (no automatic switch to flash attention, "
+            "whose block-table decode path the exits do not follow)."
+        )
+    return dataclasses.replace(
+        copy.copy(cb_config),
+        allow_block_sharing=False,  # see above
+        max_blocks_per_request=0,  # no block-table decode path: the paged cache's index path
+        auto_switch_to_flash=False,
+        use_cuda_graph=False,  # not inferred on: a graph cannot capture data-dependent depths
+    )
 
 
 @contextmanager
