@@ -548,7 +548,7 @@ POOL_INTERVAL = 16
 def _pool_lines(plain, prompts, spec, new_tokens, quick):
     """HELIOS's model pool on the mixed prompts (Austen and Python, alternating): two early-exit models on the one
     frozen backbone, exit heads fitted on one domain each (`bench-pool`'s models, fewer steps), then `pool_rows`."""
-    from ee_transformers.tools import bench_pool
+    from ee_transformers.tools.bench import pool as bench_pool
 
     args, stage = spec.args, time.perf_counter()
     exit_layers = args.exit_layers[-2:]  # the deeper exits: a max_prob check costs an LM-head call each
@@ -575,7 +575,7 @@ def pool_rows(models, plain, prompts, new_tokens, repeats=2, settings=POOL_SETTI
     arguments `settings` (`{}`: each model's stored ones). The models are made to share the first one's backbone."""
     from ee_transformers.lean_early_exit import resident_parameter_bytes
     from ee_transformers.pool_early_exit import EarlyExitPool
-    from ee_transformers.tools import bench_pool
+    from ee_transformers.tools.bench import pool as bench_pool
     from ee_transformers.tools.bench.timing import greedy_generation_config, without_eos
     from ee_transformers.tools.quality import eos_token_ids
 
