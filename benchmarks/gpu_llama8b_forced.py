@@ -20,7 +20,7 @@ default, written to `speculative.md` / `speculative.json`): forced acceptance on
 the model whose layers above E pass the residual through (still computed, at full cost) accepts every draft, and the
 same copy with the draft head turned wrong for 40% of its drafts accepts ~60%; for E in the exits and K = 2, 4, against
 plain generate, and at batch 1 against transformers' own `assistant_early_exit`, with realised / ideal under the cost
-model measured in the same run (`ee_transformers.tools.bench_speculative`). This has not been run on a GPU yet.
+model measured in the same run (`ee_transformers.tools.bench.speculative`). This has not been run on a GPU yet.
 
 Each batch size runs plain, c1, plain, c2, ... (13 configurations at batch > 1, 9 at batch 1) per repeat, so one
 batch size takes roughly 27 x repeats generate calls plus the cost model and profiles; where one command may only run
@@ -43,8 +43,9 @@ if str(ROOT) not in sys.path:  # run from a bare checkout, without installing th
 
 from ee_transformers.configuration_early_exit import EarlyExitLlamaConfig  # noqa: E402
 from ee_transformers.modeling_early_exit import EarlyExitLlamaForCausalLM  # noqa: E402
-from ee_transformers.tools import bench, bench_speculative  # noqa: E402
+from ee_transformers.tools import bench  # noqa: E402
 from ee_transformers.tools.arguments import comma_list  # noqa: E402
+from ee_transformers.tools.bench import speculative as bench_speculative  # noqa: E402
 
 LLAMA3_8B = dict(
     vocab_size=128256,
@@ -98,7 +99,7 @@ def lean_row(fields, exits, dtype, device, prompts, exit_max_layer, budget, cont
     """HELIOS's trade at this shape: the full model (plain full depth, every layer resident) against a lean one holding
     layers 0..exit_max_layer (every token exits there greedily; random weights decide nothing, so no criterion), each
     at its largest batch whose weights + measured generate peak (K/V, activations) fit `budget` bytes, interleaved."""
-    from ee_transformers.tools import bench_lean
+    from ee_transformers.tools.bench import lean as bench_lean
 
     full, _ = build_model(fields, exits, dtype, device)
     lean, _ = build_model(fields, exits, dtype, device)  # same seed: the same weights

@@ -10,6 +10,9 @@ import pytest
 from ee_transformers.tools import bench
 from ee_transformers.tools.arguments import ArgumentParser, InputError, add_config_arguments, config_from_args
 from ee_transformers.tools.bench.config import BenchConfig
+from ee_transformers.tools.bench.lean import LeanConfig
+from ee_transformers.tools.bench.pool import PoolConfig
+from ee_transformers.tools.bench.speculative import PYTHON_ONLY, SpeculativeConfig
 from ee_transformers.training import calibrate as calibration
 from ee_transformers.training.calibrate import CalibrationConfig
 from ee_transformers.training.fit_exit_heads import FitConfig
@@ -144,3 +147,44 @@ def test_boolean_flags_have_a_negative_form():
     actions = {a.dest: a for a in parser._actions}
     assert isinstance(actions["sweep"], argparse.BooleanOptionalAction)
     assert "--no-sweep" in actions["sweep"].option_strings
+
+
+LEAN_REQUIRED = {"memory_budget": [2**30], "context": 96}  # `--memory-budget` is written by hand: it takes sizes
+
+
+@pytest.mark.parametrize(
+    "config_class, skip, required",
+    [(LeanConfig, ("memory_budget",), LEAN_REQUIRED), (SpeculativeConfig, PYTHON_ONLY, {}), (PoolConfig, (), {})],
+)
+def test_the_other_benchmarks_take_configs_whose_fields_are_their_flags(config_class, skip, required):
+    parser = ArgumentParser(prog="t")
+    add_config_arguments(parser, config_class, skip=skip)
+    flags = {option for action in parser._actions for option in action.option_strings}
+    for f in dataclasses.fields(config_class):
+        if f.name not in skip:
+            assert "--" + f.name.replace("_", "-") in flags, f"field {f.name} has no flag"
+    args = parser.parse_args(["--context", "96"] if "context" in required else [])
+    assert config_from_args(config_class, args, **{k: v for k, v in required.items() if k in skip}) == config_class(
+        **required
+    )
+
+
+def test_a_field_without_a_default_is_a_required_flag(capsys):
+    parser = ArgumentParser(prog="t")
+    add_config_arguments(parser, LeanConfig, skip=("memory_budget",))
+    with pytest.raises(SystemExit):
+        parser.parse_args([])
+    assert "the following arguments are required: --context" in capsys.readouterr().err
+    with pytest.raises(InputError, match=r"`--context` must exceed `--prompt-tokens` by at least 2, got 65 and 64"):
+        config_from_args(LeanConfig, parser.parse_args(["--context", "65"]), memory_budget=[2**30])
+
+
+def test_a_list_field_may_allow_empty_and_others_may_not():
+    parser = ArgumentParser(prog="t")
+    add_config_arguments(parser, SpeculativeConfig, skip=PYTHON_ONLY)
+    config = config_from_args(SpeculativeConfig, parser.parse_args(["--forced", "", "--forced-exits", ""]))
+    assert config.forced == [] and config.forced_exits == []
+    with pytest.raises(InputError, match=r"`--ks` must be a non-empty list, each element an integer >= 1"):
+        config_from_args(SpeculativeConfig, parser.parse_args(["--ks", ""]))
+    with pytest.raises(ValueError, match=r"`forced` must be a list, each element a number >= 0 and <= 1"):
+        SpeculativeConfig(forced=[1.5])

@@ -19,9 +19,14 @@ The direction, lowest first:
   `bench.timing`, which calibration measures with). So a training module may import tools modules, but never one
   that leads back into `training/`: the tools modules that import training sit above it. (The reverse, tools below
   training, would need the demo not to run fits; training below all of tools would need the tools' libraries moved.)
+
+Function length, also read with `ast`: at most 80 lines in `tools/` and `training/`, 60 in the flat modules directly in
+`ee_transformers/`, but for the explicit allow-lists below (files another session owns; the runtime's long functions
+of today, a list that may only shrink). The old `tools/bench_*.py` modules are deprecated aliases of `tools/bench/`.
 """
 
 import ast
+import importlib
 import re
 import sys
 from pathlib import Path
@@ -273,3 +278,98 @@ def test_training_scripts_are_thin_and_the_same_entry_point_as_the_subcommand(sc
     through = subprocess.run([sys.executable, "-m", "ee_transformers.tools.cli", command, "--help"], **run)
     assert direct.returncode == through.returncode == 0, direct.stderr + through.stderr
     assert direct.stdout == through.stdout  # one parser: the same flags, defaults and help
+
+
+# --- function length ---------------------------------------------------------------------------------------------------
+TOOLS_MAX_LINES, RUNTIME_MAX_LINES = 80, 60  # tools/ and training/; the flat modules directly in ee_transformers/
+LONG_TOOLS_FUNCTIONS = {  # the only functions of tools/ and training/ allowed over TOOLS_MAX_LINES
+    "tools/profile.py:profile_exits",  # owned elsewhere this session
+    "training/calibrate.py:calibrate",  # owned elsewhere this session
+}
+LONG_RUNTIME_FUNCTIONS = {  # today's functions over RUNTIME_MAX_LINES: split one, then take it off (the list only shrinks)
+    "generation_early_exit.py:resolve_exit_settings",
+    "generation_early_exit.py:decode_one_token",
+    "generation_early_exit.py:early_exit_generate",
+    "paged_early_exit.py:paged_step",
+    "pool_early_exit.py:EarlyExitPool.generate",
+    "speculative_early_exit.py:speculative_generate",
+}
+
+
+def long_functions(files, root: Path, limit: int) -> dict[str, int]:
+    """{"path:qualified name": lines} of every function in `files` (methods and nested functions too) longer than
+    `limit` lines, a function's lines running from its `def` to its last line (decorators not counted)."""
+    found = {}
+
+    def visit(node, path, prefix):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = prefix + child.name
+                lines = child.end_lineno - child.lineno + 1
+                if not isinstance(child, ast.ClassDef) and lines > limit:
+                    found[f"{path}:{name}"] = lines
+                visit(child, path, name + ".")
+            else:
+                visit(child, path, prefix)
+
+    for file in sorted(files):
+        visit(ast.parse(file.read_text(encoding="utf-8")), file.relative_to(root).as_posix(), "")
+    return found
+
+
+def _over_the_limit(found: dict[str, int], allowed: set[str], limit: int) -> list[str]:
+    new = [f"{name}: {lines} lines (at most {limit}: split it into named parts)" for name, lines in found.items()]
+    problems = [line for line, name in zip(new, found) if name not in allowed]
+    problems += [f"{name}: no longer over {limit} lines, take it off the allow-list" for name in allowed - set(found)]
+    return sorted(problems)
+
+
+def test_function_lengths_are_read_with_methods_and_nested_functions(tmp_path):
+    (tmp_path / "m.py").write_text(
+        "def short():\n    return 1\n\n\n"
+        "class A:\n    @staticmethod\n    def long():\n        x = 1\n        return x\n\n\n"
+        "def outer():\n    def inner():\n        y = 2\n        return y\n    return inner\n"
+    )
+    found = long_functions([tmp_path / "m.py"], tmp_path, limit=2)
+    assert found == {"m.py:A.long": 3, "m.py:outer": 5, "m.py:outer.inner": 3}
+    assert _over_the_limit(found, {"m.py:outer", "m.py:gone"}, 2) == [
+        "m.py:A.long: 3 lines (at most 2: split it into named parts)",
+        "m.py:gone: no longer over 2 lines, take it off the allow-list",
+        "m.py:outer.inner: 3 lines (at most 2: split it into named parts)",
+    ]
+
+
+def test_no_function_of_tools_or_training_is_over_80_lines():
+    files = [*(PACKAGE / "tools").rglob("*.py"), *(PACKAGE / "training").rglob("*.py")]
+    problems = _over_the_limit(long_functions(files, PACKAGE, TOOLS_MAX_LINES), LONG_TOOLS_FUNCTIONS, TOOLS_MAX_LINES)
+    assert not problems, "\n".join(problems)
+
+
+def test_no_runtime_function_is_over_60_lines_but_todays_long_ones():
+    found = long_functions(PACKAGE.glob("*.py"), PACKAGE, RUNTIME_MAX_LINES)
+    problems = _over_the_limit(found, LONG_RUNTIME_FUNCTIONS, RUNTIME_MAX_LINES)
+    assert not problems, "\n".join(problems)
+
+
+# --- the benchmarks' modules -------------------------------------------------------------------------------------------
+MOVED_BENCHMARKS = {"bench_lean": "lean", "bench_speculative": "speculative", "bench_pool": "pool"}
+
+
+@pytest.mark.parametrize("old, new", sorted(MOVED_BENCHMARKS.items()))
+def test_the_old_benchmark_modules_are_deprecated_aliases_of_tools_bench(old, new, monkeypatch):
+    moved = importlib.import_module(f"ee_transformers.tools.bench.{new}")
+    monkeypatch.delitem(sys.modules, f"ee_transformers.tools.{old}", raising=False)
+    with pytest.warns(DeprecationWarning, match=rf"ee_transformers\.tools\.bench\.{new}"):
+        alias = importlib.import_module(f"ee_transformers.tools.{old}")
+    assert alias.__all__ == moved.__all__ and "main" in moved.__all__
+    assert all(getattr(alias, name) is getattr(moved, name) for name in moved.__all__)
+
+
+def test_benchmark_modules_live_in_tools_bench_and_subcommands_do_not_use_the_aliases():
+    from ee_transformers.tools import cli
+
+    assert sorted(p.stem for p in (PACKAGE / "tools").glob("bench_*.py")) == sorted(MOVED_BENCHMARKS)
+    for name, (module, _, _) in cli.SUBCOMMANDS.items():
+        if name.startswith("bench"):
+            assert module.startswith("ee_transformers.tools.bench"), (name, module)
+            assert module.rpartition(".")[2] not in MOVED_BENCHMARKS, (name, module)

@@ -608,7 +608,7 @@ def test_profile_histogram_sums_to_the_decided_tokens_and_writes_next_to_the_mod
 
 
 def test_peak_memory_counts_live_storages_once():
-    from ee_transformers.tools.bench_lean import PeakMemory
+    from ee_transformers.tools.bench.lean import PeakMemory
 
     x = torch.ones(1000)  # exists before: not counted
     with PeakMemory() as meter:
@@ -622,7 +622,7 @@ def test_peak_memory_counts_live_storages_once():
 
 
 def test_measured_memory_and_the_largest_batch_that_fits(base_dirs):
-    from ee_transformers.tools.bench_lean import fit_batch, measure_memory, parse_bytes
+    from ee_transformers.tools.bench.lean import fit_batch, measure_memory, parse_bytes
 
     assert parse_bytes("1.5G") == 3 * 2**29 and parse_bytes("900M") == 900 * 2**20 and parse_bytes(4096) == 4096
     with pytest.raises(ValueError, match="memory-budget"):

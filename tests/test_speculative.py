@@ -8,9 +8,9 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 import ee_transformers as eet
 import ee_transformers.speculative_early_exit as spec
-from ee_transformers.tools import bench_speculative
 from ee_transformers.tools.bench import plain_twin, random_prompts
-from ee_transformers.tools.bench_speculative import pass_through_above  # a copy: layers above E add nothing
+from ee_transformers.tools.bench import speculative as bench_speculative
+from ee_transformers.tools.bench.speculative import pass_through_above  # a copy: layers above E add nothing
 
 LAYERS = 4  # tiny models: 4 decoder layers, exits after 0, 1, 2
 NEVER_STOP = dict(assistant_confidence_threshold=0.0)  # draft all K tokens every round

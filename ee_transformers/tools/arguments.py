@@ -1,11 +1,12 @@
 """Typed configs and the command lines generated from them.
 
-A config is a dataclass whose fields carry `metadata={"help": ...}`, plus `"choices"` for a fixed set of values and
-`"min"` / `"max"` (inclusive) or `"above"` / `"below"` (exclusive) for numbers. `check_fields` validates an instance against its
-annotations and that metadata (call it from `__post_init__`, then check what relates fields to each other), raising a
-`ValueError` that names the field and what is allowed. `add_config_arguments` turns the fields into flags
-(`batch_sizes: list[int]` -> `--batch-sizes 1,8`, `sweep: bool` -> `--sweep / --no-sweep`) and `config_from_args`
-builds the config back, so a setting is declared, documented and validated in one place.
+A config is a dataclass whose fields carry `metadata={"help": ...}`, plus `"choices"` for a fixed set of values,
+`"min"` / `"max"` (inclusive) or `"above"` / `"below"` (exclusive) for numbers, and `"empty": True` for a list that may
+be empty (`--forced ""`: none). `check_fields` validates an instance against its annotations and that metadata (call it
+from `__post_init__`, then check what relates fields to each other), raising a `ValueError` that names the field and
+what is allowed. `add_config_arguments` turns the fields into flags (`batch_sizes: list[int]` -> `--batch-sizes 1,8`,
+`sweep: bool` -> `--sweep / --no-sweep`) and `config_from_args` builds the config back, so a setting is declared,
+documented and validated in one place.
 """
 
 import argparse
@@ -97,10 +98,14 @@ def check_fields(config) -> None:
                 raise ValueError(f"`{f.name}` must be {_describe(kind, meta)}, got None.")
             continue
         if kind is list:
-            if not isinstance(value, (list, tuple)) or not value or not all(_valid(v, element, meta) for v in value):
-                raise ValueError(
-                    f"`{f.name}` must be a non-empty list, each element {_describe(element, meta)}; got {value!r}."
-                )
+            empty_ok = meta.get("empty", False)
+            if (
+                not isinstance(value, (list, tuple))
+                or not (value or empty_ok)
+                or not all(_valid(v, element, meta) for v in value)
+            ):
+                noun = "a list" if empty_ok else "a non-empty list"
+                raise ValueError(f"`{f.name}` must be {noun}, each element {_describe(element, meta)}; got {value!r}.")
         elif not _valid(value, kind, meta):
             raise ValueError(f"`{f.name}` must be {_describe(kind, meta)}, got {value!r}.")
 
@@ -125,9 +130,9 @@ def flag(name: str) -> str:
 
 
 def add_config_arguments(parser, config_class, skip=(), defaults=None) -> None:
-    """One flag per field of `config_class` (except `skip`). Defaults stay in the dataclass: a flag that is not given
-    is absent from the parsed namespace, and `defaults` (field -> value) only changes what the help says and what
-    `config_from_args` fills in."""
+    """One flag per field of `config_class` (except `skip`); a field without a default is a required flag. Defaults
+    stay in the dataclass: a flag that is not given is absent from the parsed namespace, and `defaults` (field ->
+    value) only changes what the help says and what `config_from_args` fills in."""
     hints = typing.get_type_hints(config_class)
     defaults = defaults or {}
     for f in dataclasses.fields(config_class):
@@ -147,6 +152,8 @@ def add_config_arguments(parser, config_class, skip=(), defaults=None) -> None:
         if default is not None:  # a None default is explained by the help text itself
             help_ = f"{help_} (default: {shown})" if help_ else f"default: {shown}"
         kwargs = dict(default=argparse.SUPPRESS, help=help_.replace("%", "%%"))
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and f.name not in defaults:
+            kwargs["required"] = True  # a field without a default is a required flag
         if kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif kind is list:

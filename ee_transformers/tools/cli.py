@@ -31,12 +31,12 @@ SUBCOMMANDS = {
         "(with --memory-budget: lean HELIOS models, see bench-lean)",
     ),
     "bench-lean": (
-        "ee_transformers.tools.bench_lean",
+        "ee_transformers.tools.bench.lean",
         "main",
         "full vs lean (HELIOS) at the largest batch each fits in a memory budget",
     ),
     "bench-speculative": (
-        "ee_transformers.tools.bench_speculative",
+        "ee_transformers.tools.bench.speculative",
         "main",
         "lossless self-speculative decoding vs plain and transformers' assistant_early_exit",
     ),
@@ -46,7 +46,7 @@ SUBCOMMANDS = {
         "lossless decoding (context and exit-head drafts) vs plain and transformers' prompt lookup",
     ),
     "bench-pool": (
-        "ee_transformers.tools.bench_pool",
+        "ee_transformers.tools.bench.pool",
         "main",
         "a pool of early-exit models switched by their exit profiles vs each model alone",
     ),

@@ -127,54 +127,18 @@ def main(argv=None):
 
 
 def _run(args):
-    from ee_transformers.tools.outputs import OutputFolder
+    from ee_transformers.tools import bench
 
     spec = DEMO_MODELS[args.model]
-    args.exit_layers = args.exit_layers or list(spec.exit_layers)
-    args.out = args.out or spec.out
-    if args.criterion == "learned" and not args.confidence_steps:
-        raise InputError("`--criterion` learned needs `--confidence-steps` > 0.")
-    if not args.exit_layers or not args.batch_sizes or min(args.batch_sizes) < 1:
-        raise InputError("`--exit-layers` and `--batch-sizes` must each name at least one value (batch sizes >= 1).")
-    out = str(Path(args.out).resolve())
-    reuse = args.reuse and Path(out, "calibration.json").is_file()
-    # the folder is checked before anything is fetched: refused if it holds something and --overwrite is not given
-    output = OutputFolder(out, carry_from=out) if reuse else OutputFolder(out, overwrite=args.overwrite)
-    if args.quick:
-        args.steps, args.prompts, args.new_tokens, args.max_chars, args.batch_sizes = 10, 2, 16, 60_000, [1]
-        args.confidence_steps = min(args.confidence_steps, 10)
-        args.pool_steps = min(args.pool_steps, 4)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    exit_layers, batch_sizes = args.exit_layers, args.batch_sizes
+    out, reuse, output = _settle_arguments(args, spec)
     started = time.perf_counter()
-
-    from ee_transformers.convert import from_base
-    from ee_transformers.tools import assets, bench
-    from ee_transformers.tools.model_card import write_model_card
-
-    stage = time.perf_counter()
-    print(f"== 1. assets ({args.model})")
-    model_dir = getattr(assets, spec.fetch)()
-    text = assets.fetch_text()
-    novels = {Path(p).stem: p for p in text["austen"]}
-    python_docs = text["python"][0]
-    print(f"   ({_minutes(stage)} min)")
-
+    model_dir, novels, python_docs = _fetch_assets(args.model, spec)
     if reuse:
-        from ee_transformers.training.calibrate import calibration_card
-
-        print(f"== 2-4. reusing the fitted, calibrated folder {out}")
-        model = from_base(out, dtype=torch.float32)
-        report = json.loads(Path(out, "calibration.json").read_text())
-        fit_summary = json.loads(Path(out, "fit_report.json").read_text())
-        model.card_data = {
-            **(model.card_data or {}),
-            **(fit_summary.get("card") or _fit_summary_card(fit_summary, spec)),
-            "calibration": calibration_card(report),
-        }
+        model, report, fit_summary = _reuse_folder(out, spec)
     else:
-        model, report, fit_summary = _fit_and_calibrate(args, spec, exit_layers, model_dir, novels, python_docs, output)
+        model, report, fit_summary = _fit_and_calibrate(
+            args, spec, args.exit_layers, model_dir, novels, python_docs, output
+        )
     tokenizer = model.tokenizer
     plain = bench.plain_twin(model)
     calibration_texts = _calibration_texts(novels, python_docs, args.max_chars)
@@ -188,7 +152,7 @@ def _run(args):
         plain,
         prompts,
         report,
-        batch_sizes,
+        args.batch_sizes,
         args.new_tokens,
         quick=args.quick,
         calibration_texts=calibration_texts,
@@ -208,27 +172,85 @@ def _run(args):
         "gains": table,
         "minutes": round((time.perf_counter() - started) / 60, 1),
     }
-    # the card's evaluation and the summary: an in-place update of the saved folder (the model files are carried)
+    evaluation = (
+        f"Greedy decoding of {args.new_tokens} new tokens from {len(prompts)} held-out prompts (the second half "
+        "of *Sense and Sensibility* and a slice of the Python manual) on this machine (`ee-transformers demo`):"
+        "\n\n" + table
+    )
+    _write_evaluation(model, out, spec, model_dir, lossless, summary, evaluation)
+    print(f"== done in {summary['minutes']} min; summary in {Path(out, 'demo_summary.json')}")
+    return 0
+
+
+def _settle_arguments(args, spec):
+    """Checks the arguments and fills in the model's defaults (and `--quick`'s settings) before anything is fetched.
+    Returns (the output folder's path, whether it is reused, its `OutputFolder`)."""
+    from ee_transformers.tools.outputs import OutputFolder
+
+    args.exit_layers = args.exit_layers or list(spec.exit_layers)
+    args.out = args.out or spec.out
+    if args.criterion == "learned" and not args.confidence_steps:
+        raise InputError("`--criterion` learned needs `--confidence-steps` > 0.")
+    if not args.exit_layers or not args.batch_sizes or min(args.batch_sizes) < 1:
+        raise InputError("`--exit-layers` and `--batch-sizes` must each name at least one value (batch sizes >= 1).")
+    out = str(Path(args.out).resolve())
+    reuse = args.reuse and Path(out, "calibration.json").is_file()
+    # the folder is checked before anything is fetched: refused if it holds something and --overwrite is not given
+    output = OutputFolder(out, carry_from=out) if reuse else OutputFolder(out, overwrite=args.overwrite)
+    if args.quick:
+        args.steps, args.prompts, args.new_tokens, args.max_chars, args.batch_sizes = 10, 2, 16, 60_000, [1]
+        args.confidence_steps = min(args.confidence_steps, 10)
+        args.pool_steps = min(args.pool_steps, 4)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return out, reuse, output
+
+
+def _fetch_assets(name, spec):
+    """Stage 1: the model's folder, {novel: path} and the Python manual's path (fetched once, then cached)."""
+    from ee_transformers.tools import assets
+
+    stage = time.perf_counter()
+    print(f"== 1. assets ({name})")
+    model_dir = getattr(assets, spec.fetch)()
+    text = assets.fetch_text()
+    novels = {Path(p).stem: p for p in text["austen"]}
+    python_docs = text["python"][0]
+    print(f"   ({_minutes(stage)} min)")
+    return model_dir, novels, python_docs
+
+
+def _reuse_folder(out, spec):
+    """Stages 2-4 skipped: the fitted, calibrated folder `out`, its calibration report and fit summary."""
+    from ee_transformers.convert import from_base
+    from ee_transformers.training.calibrate import calibration_card
+
+    print(f"== 2-4. reusing the fitted, calibrated folder {out}")
+    model = from_base(out, dtype=torch.float32)
+    report = json.loads(Path(out, "calibration.json").read_text())
+    fit_summary = json.loads(Path(out, "fit_report.json").read_text())
+    model.card_data = {
+        **(model.card_data or {}),
+        **(fit_summary.get("card") or _fit_summary_card(fit_summary, spec)),
+        "calibration": calibration_card(report),
+    }
+    return model, report, fit_summary
+
+
+def _write_evaluation(model, out, spec, model_dir, lossless, summary, evaluation):
+    """The card's evaluation and the summary: an in-place update of the saved folder (the model files are carried)."""
+    from ee_transformers.tools.bench.report import jsonable
+    from ee_transformers.tools.model_card import write_model_card
+    from ee_transformers.tools.outputs import OutputFolder
+
     with OutputFolder(out, carry_from=out).writing("demo") as folder:
         model.generation_config.save_pretrained(folder)  # with the lossless setting calibration stored
-        Path(folder, "calibration_lossless.json").write_text(json.dumps(bench.jsonable(lossless), indent=1))
-        write_model_card(
-            model,
-            folder,
-            extra={
-                "evaluation": (
-                    f"Greedy decoding of {args.new_tokens} new tokens from {len(prompts)} held-out prompts (the second half "
-                    "of *Sense and Sensibility* and a slice of the Python manual) on this machine (`ee-transformers demo`):"
-                    "\n\n" + table
-                )
-            },
-        )
-        Path(folder, "demo_summary.json").write_text(json.dumps(bench.jsonable(summary), indent=1))
+        Path(folder, "calibration_lossless.json").write_text(json.dumps(jsonable(lossless), indent=1))
+        write_model_card(model, folder, extra={"evaluation": evaluation})
+        Path(folder, "demo_summary.json").write_text(json.dumps(jsonable(summary), indent=1))
         if spec.notice:  # the base model's terms travel with the folder
             Path(folder, "NOTICE").write_text(spec.notice)
             shutil.copyfile(Path(model_dir, spec.terms), Path(folder, spec.terms))
-    print(f"== done in {summary['minutes']} min; summary in {Path(out, 'demo_summary.json')}")
-    return 0
 
 
 def _fit_summary_card(fit, spec):
@@ -342,6 +364,24 @@ def _gib(n):
     return f"{n / 2**20:.0f} MiB"
 
 
+class _Screen:
+    """The final screen's table: a row per mode and batch size, `weights` the full model's resident weights."""
+
+    def __init__(self, weights: str):
+        self.weights = weights
+        self.lines = [
+            "| mode | batch | speed vs full depth (measured) | per-token agreement | identical-token share | "
+            "tokens to 1st divergence | perplexity (full model's) | resident weights | what it means |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+
+    def row(self, mode, b, speed, q, resident, meaning):
+        self.lines.append(
+            f"| {mode} | {b} | {speed} | {q['per_token_agreement']:.3f} | {q['identical_share']:.3f} | "
+            f"{q['first_divergence']:.1f} | {q['ppl']:.2f} | {resident} | {meaning} |"
+        )
+
+
 def gains(
     model,
     plain,
@@ -367,73 +407,17 @@ def gains(
     from ee_transformers.tools.quality import EXPLAINER
 
     config = bench.BenchConfig(new_tokens=new_tokens, repeats=1 if quick else 2, max_batches=[1], warmup=not quick)
-    exits = list(model.config.exit_layers)
-    header = (
-        "| mode | batch | speed vs full depth (measured) | per-token agreement | identical-token share | "
-        "tokens to 1st divergence | perplexity (full model's) | resident weights | what it means |"
-    )
-    lines = [header, "|---|---|---|---|---|---|---|---|---|"]
-    weights = _gib(resident_parameter_bytes(model))
+    screen = _Screen(_gib(resident_parameter_bytes(model)))
     reference = FullDepthTexts(plain, prompts, new_tokens)
     tried = (report.get("speed") or {}).get("tried") or []
     closest = None
     if not report.get("chosen") and tried:
         closest = max(tried, key=lambda t: t["measured"]["lower_quartile"])
-
-    def row(mode, b, speed, q, resident, meaning):
-        lines.append(
-            f"| {mode} | {b} | {speed} | {q['per_token_agreement']:.3f} | {q['identical_share']:.3f} | "
-            f"{q['first_divergence']:.1f} | {q['ppl']:.2f} | {resident} | {meaning} |"
-        )
-
-    def calibration_speed(t, b):
-        measured = t["by_batch_size"].get(str(b))
-        if measured is None:
-            return "not measured at this batch (calibration stopped at the first batch size that missed)"
-        return f"{measured['median']:.2f}x (lower quartile {measured['lower_quartile']:.2f}x)"
-
     for b in batch_sizes:
-        q_full = _quality(plain, reference, b, {})
-        row("full depth", b, "1.00x", q_full, weights, "every layer for every token: the reference")
-        if report.get("chosen"):
-            row(
-                "calibrated (stored)",
-                b,
-                calibration_speed(tried[-1], b) if tried else "not measured",
-                _quality(model, reference, b, {}),
-                weights,
-                f"checks exits {report['chosen']['check_layers']}: faster, the text may differ",
-            )
-        else:
-            lines.append(
-                f"| calibrated (stored) | {b} | = full depth | 1.000 | 1.000 | all | {q_full['ppl']:.2f} | "
-                f"{weights} | {report.get('message', '').replace('|', '/')} |"
-            )
-        if closest is not None:
-            row(
-                "closest setting (not stored)",
-                b,
-                calibration_speed(closest, b),
-                _quality(model, reference, b, _setting(report, closest)),
-                weights,
-                f"exits {closest['check_layers']} at thresholds {[round(t, 4) for t in closest['thresholds']]}: "
-                "what calibration measured and turned down; pass it to `generate()` to use it anyway",
-            )
-        draft = exits[len(exits) // 2]
-        spec = {"assistant_early_exit": draft + 1, "num_assistant_tokens": 4}
-        measured = bench.compare(model, plain, prompts, spec, config=config, batch_size=b, name="self-speculative")[
-            "speedup"
-        ]
-        row(
-            f"self-speculative (drafts from exit {draft})",
-            b,
-            f"{measured['median']:.2f}x",
-            _quality(model, reference, b, spec),
-            weights,
-            "lossless: the same text as full depth by construction",
-        )
+        _batch_rows(screen, model, reference, report, closest, b, config)
     if lossless is not None:
-        _lossless_rows(model, plain, prompts, lossless, batch_sizes, new_tokens, weights, row, reference)
+        _lossless_rows(model, plain, prompts, lossless, batch_sizes, new_tokens, screen.weights, screen.row, reference)
+    lines = screen.lines
     if calibration_texts and folder and (report.get("chosen") or closest is not None):
         settings = {} if report.get("chosen") else _setting(report, closest)
         lines += _lean_lines(model, reference, folder, batch_sizes[-1], config, calibration_texts, settings)
@@ -448,6 +432,61 @@ def gains(
         "run; the lossless context-draft rows: whole generates, paired with full depth, median and summed).",
     ]
     return lines
+
+
+def _calibration_speed(tried, b):
+    """What calibration measured for the setting `tried` at batch size `b`."""
+    measured = tried["by_batch_size"].get(str(b))
+    if measured is None:
+        return "not measured at this batch (calibration stopped at the first batch size that missed)"
+    return f"{measured['median']:.2f}x (lower quartile {measured['lower_quartile']:.2f}x)"
+
+
+def _batch_rows(screen, model, reference, report, closest, b, config):
+    """The rows at batch size `b`: full depth, the stored setting, the closest setting calibration turned down (when
+    it stored none) and self-speculation from the middle exit."""
+    from ee_transformers.tools import bench
+
+    plain, prompts, weights = reference.plain, reference.prompts, screen.weights
+    tried = (report.get("speed") or {}).get("tried") or []
+    q_full = _quality(plain, reference, b, {})
+    screen.row("full depth", b, "1.00x", q_full, weights, "every layer for every token: the reference")
+    if report.get("chosen"):
+        screen.row(
+            "calibrated (stored)",
+            b,
+            _calibration_speed(tried[-1], b) if tried else "not measured",
+            _quality(model, reference, b, {}),
+            weights,
+            f"checks exits {report['chosen']['check_layers']}: faster, the text may differ",
+        )
+    else:
+        screen.lines.append(
+            f"| calibrated (stored) | {b} | = full depth | 1.000 | 1.000 | all | {q_full['ppl']:.2f} | "
+            f"{weights} | {report.get('message', '').replace('|', '/')} |"
+        )
+    if closest is not None:
+        screen.row(
+            "closest setting (not stored)",
+            b,
+            _calibration_speed(closest, b),
+            _quality(model, reference, b, _setting(report, closest)),
+            weights,
+            f"exits {closest['check_layers']} at thresholds {[round(t, 4) for t in closest['thresholds']]}: "
+            "what calibration measured and turned down; pass it to `generate()` to use it anyway",
+        )
+    exits = list(model.config.exit_layers)
+    draft = exits[len(exits) // 2]
+    spec = {"assistant_early_exit": draft + 1, "num_assistant_tokens": 4}
+    measured = bench.compare(model, plain, prompts, spec, config=config, batch_size=b, name="self-speculative")
+    screen.row(
+        f"self-speculative (drafts from exit {draft})",
+        b,
+        f"{measured['speedup']['median']:.2f}x",
+        _quality(model, reference, b, spec),
+        weights,
+        "lossless: the same text as full depth by construction",
+    )
 
 
 def _lossless_rows(model, plain, prompts, lossless, batch_sizes, new_tokens, weights, row, reference):
@@ -548,7 +587,7 @@ POOL_INTERVAL = 16
 def _pool_lines(plain, prompts, spec, new_tokens, quick):
     """HELIOS's model pool on the mixed prompts (Austen and Python, alternating): two early-exit models on the one
     frozen backbone, exit heads fitted on one domain each (`bench-pool`'s models, fewer steps), then `pool_rows`."""
-    from ee_transformers.tools import bench_pool
+    from ee_transformers.tools.bench import pool as bench_pool
 
     args, stage = spec.args, time.perf_counter()
     exit_layers = args.exit_layers[-2:]  # the deeper exits: a max_prob check costs an LM-head call each
@@ -575,7 +614,7 @@ def pool_rows(models, plain, prompts, new_tokens, repeats=2, settings=POOL_SETTI
     arguments `settings` (`{}`: each model's stored ones). The models are made to share the first one's backbone."""
     from ee_transformers.lean_early_exit import resident_parameter_bytes
     from ee_transformers.pool_early_exit import EarlyExitPool
-    from ee_transformers.tools import bench_pool
+    from ee_transformers.tools.bench import pool as bench_pool
     from ee_transformers.tools.bench.timing import greedy_generation_config, without_eos
     from ee_transformers.tools.quality import eos_token_ids
 
@@ -616,19 +655,49 @@ def pool_rows(models, plain, prompts, new_tokens, repeats=2, settings=POOL_SETTI
 
 
 def _fit_and_calibrate(args, spec, exit_layers, model_dir, novels, python_docs, output):
+    """Stages 2-4: exit heads fitted and calibrated, saved into `output`. Returns (model, calibration report, fit
+    summary)."""
+    from ee_transformers.tools import assets
+    from ee_transformers.training.calibrate import calibration_card
+    from ee_transformers.training.fit_exit_heads import save_model_folder, training_card
+
+    model, result, config, train, heldout = _fit(args, exit_layers, model_dir, novels, python_docs)
+    report = _calibrate(args, model, novels, python_docs)
+    data_desc = (
+        f"Jane Austen's {', '.join(assets.AUSTEN_TRAIN)} and the first half of the Python manual (Debian "
+        "packages r-cran-janeaustenr and python3-doc)"
+    )
+    base_model = (model.card_data or {}).get("base_model")
+    card = {
+        "training": training_card(result, config, base_model, data_desc, train.shape[0], heldout.shape[0], 256),
+        "calibration": calibration_card(report),
+        "notes": spec.notes,
+    }
+    out = save_model_folder(
+        model,
+        output,
+        tokenizer=model.tokenizer,
+        card_data=card,
+        # the card's own sections travel in fit_report.json, so `--reuse` rewrites the card whole
+        reports={
+            "calibration.json": report,
+            "fit_report.json": {**result.summary(), "card": {"training": card["training"], "notes": card["notes"]}},
+        },
+        command="demo",
+    )
+    print(f"   saved {out}")
+    return model, report, result.summary()
+
+
+def _fit(args, exit_layers, model_dir, novels, python_docs):
+    """Stages 2-3b: exit heads after `exit_layers` (norm + adapter), fitted by self-distillation on the training text
+    (frozen backbone), then learned confidence heads. Returns (model, fit result, its config, training blocks,
+    held-out blocks)."""
     from ee_transformers.convert import from_base
     from ee_transformers.tools import assets
-    from ee_transformers.training.calibrate import CalibrationConfig, apply_calibration, calibrate, calibration_card
     from ee_transformers.training.data import tokenize_blocks
-    from ee_transformers.training.fit_exit_heads import (
-        FitConfig,
-        fit_confidence_heads,
-        fit_exit_heads,
-        save_model_folder,
-        training_card,
-    )
+    from ee_transformers.training.fit_exit_heads import FitConfig, fit_confidence_heads, fit_exit_heads
 
-    stage = time.perf_counter()
     print(f"== 2. exit heads after layers {exit_layers} (norm + rank-{args.adapter_rank} adapter)")
     model = from_base(
         model_dir,
@@ -637,13 +706,11 @@ def _fit_and_calibrate(args, spec, exit_layers, model_dir, novels, python_docs, 
         exit_adapter_rank=args.adapter_rank,
         dtype=torch.float32,
     )
-    tokenizer = model.tokenizer
-
     print(f"== 3. fit ({args.steps} steps, frozen backbone)")
     stage = time.perf_counter()
     train_texts = [text_slice(novels[name], (0.0, 1.0), args.max_chars) for name in assets.AUSTEN_TRAIN]
     train_texts.append(text_slice(python_docs, FIT_REGIONS["python"], args.max_chars))
-    blocks = tokenize_blocks(train_texts, tokenizer, 256)
+    blocks = tokenize_blocks(train_texts, model.tokenizer, 256)
     order = torch.randperm(blocks.shape[0], generator=torch.Generator().manual_seed(0))
     heldout, train = blocks[order[:8]], blocks[order[8:]]
     config = FitConfig(
@@ -664,17 +731,24 @@ def _fit_and_calibrate(args, spec, exit_layers, model_dir, novels, python_docs, 
         confidence_config = FitConfig(steps=1, batch_size=2, confidence_steps=args.confidence_steps, eval_blocks=8)
         result.confidence = fit_confidence_heads(model, train, heldout, confidence_config)
         print(f"   held-out accuracy per exit: {result.confidence['accuracy']}")
-
     print(f"   ({_minutes(stage)} min)")
+    return model, result, config, train, heldout
+
+
+def _calibrate(args, model, novels, python_docs):
+    """Stage 4: a criterion and thresholds for `--target-agreement` on the calibration text, their speed measured
+    against full depth at every batch size the demo shows (it must hold at each); applied to `model`."""
+    from ee_transformers.training.calibrate import CalibrationConfig, apply_calibration, calibrate
+    from ee_transformers.training.data import tokenize_blocks
+
     stage = time.perf_counter()
     print(
         f"== 4. calibrate ({args.criterion}, {args.policy} policy, target agreement {args.target_agreement}, "
         "speed measured against full depth)"
     )
     calibration_texts = _calibration_texts(novels, python_docs, args.max_chars)
-    calibration_blocks = tokenize_blocks(calibration_texts, tokenizer, 256)[: 16 if args.quick else 48]
+    calibration_blocks = tokenize_blocks(calibration_texts, model.tokenizer, 256)[: 16 if args.quick else 48]
     # row policy by default: at batch 8 a batch-wide exit would need all eight rows confident at once
-    # the speed promise is measured at every batch size the demo shows, and must hold at each
     batch_sizes = list(args.batch_sizes)
     report = calibrate(
         model,
@@ -694,32 +768,7 @@ def _fit_and_calibrate(args, spec, exit_layers, model_dir, novels, python_docs, 
     )
     apply_calibration(model, report)
     print("  ", report["message"], f"({_minutes(stage)} min)")
-
-    data_desc = (
-        f"Jane Austen's {', '.join(assets.AUSTEN_TRAIN)} and the first half of the Python manual (Debian "
-        "packages r-cran-janeaustenr and python3-doc)"
-    )
-    card = {
-        "training": training_card(
-            result, config, (model.card_data or {}).get("base_model"), data_desc, train.shape[0], heldout.shape[0], 256
-        ),
-        "calibration": calibration_card(report),
-        "notes": spec.notes,
-    }
-    out = save_model_folder(
-        model,
-        output,
-        tokenizer=tokenizer,
-        card_data=card,
-        # the card's own sections travel in fit_report.json, so `--reuse` rewrites the card whole
-        reports={
-            "calibration.json": report,
-            "fit_report.json": {**result.summary(), "card": {"training": card["training"], "notes": card["notes"]}},
-        },
-        command="demo",
-    )
-    print(f"   saved {out}")
-    return model, report, result.summary()
+    return report
 
 
 def _show_sample(model, plain, tokenizer, ids, new_tokens, exit_kwargs):

@@ -94,61 +94,7 @@ def render_model_card(model, extra: dict | None = None) -> str:
     if not _LICENSE_ID.fullmatch(license_):
         license_ = "other"
     exits = list(config.exit_layers)
-    decoding = "Full depth (no calibrated exit settings stored)."
-    stored = model.exit_defaults if hasattr(model, "exit_defaults") else {}
-    if stored.get("exit_criterion") is not None or stored.get("exit_patience"):
-        decoding = (
-            f"criterion `{stored['exit_criterion']}`, threshold `{stored['exit_threshold']}`, policy "
-            f"`{stored['exit_policy'] or 'batch'}`, patience `{stored['exit_patience'] or 0}`, KV "
-            f"`{stored['exit_kv'] or 'immediate'}`, checked exits "
-            f"`{stored['exit_check_layers'] if stored['exit_check_layers'] is not None else exits}` "
-            "(stored in `generation_config.json`)"
-        )
-    if license_ == "other":
-        license_text = (
-            "The license of the base model was not recorded where this folder was built. The weights "
-            "here are the base model's, under its terms: check them before using or sharing this folder."
-        )
-    else:
-        license_text = (
-            f"`{license_}`, the license of the base model{f' `{base_model}`' if base_model else ''}, "
-            "whose weights this folder holds."
-        )
-    lossless = {
-        name: getattr(model.generation_config, name, None)
-        for name in ("prompt_lookup_num_tokens", "max_matching_ngram_size", "assistant_early_exit")
-    }
-    lossless = {k: v for k, v in lossless.items() if v is not None}
-    if lossless:
-        decoding = (
-            "lossless speculative decoding, "
-            + ", ".join(f"`{k}={v}`" for k, v in lossless.items())
-            + " (stored in `generation_config.json`; the text is token for token full depth's)"
-        )
-        generate_snippet = (
-            "# the stored lossless setting applies (generation_config.json): the same text as full depth, faster\n"
-            "out = model.generate(**inputs, max_new_tokens=32, return_dict_in_generate=True)"
-        )
-        snippet_note = "The call above uses the setting stored in `generation_config.json` (" + decoding + ")."
-    elif stored.get("exit_criterion") is not None or stored.get("exit_patience"):
-        generate_snippet = (
-            "# the stored (calibrated) exit settings apply: generation_config.json holds them\n"
-            "out = model.generate(**inputs, max_new_tokens=32, return_dict_in_generate=True)"
-        )
-        snippet_note = "The call above uses the exit settings stored in `generation_config.json` (" + decoding + ")."
-    else:
-        generate_snippet = (
-            "# no exit settings are stored (full depth by default): pass them to try early exit\n"
-            'out = model.generate(**inputs, max_new_tokens=32, exit_criterion="max_prob", '
-            "exit_threshold=0.9,\n                     return_dict_in_generate=True)"
-        )
-        snippet_note = (
-            "No exit settings are stored: calibration kept none (the Calibration section says why), so `generate()` "
-            "decodes at full depth and the snippet passes settings by hand to try early exit anyway."
-            if extra.get("calibration")
-            else "No exit settings are stored, so the snippet passes some by hand; calibrate the folder "
-            "(`ee-transformers calibrate`) to store settings chosen for a quality target."
-        )
+    decoding, generate_snippet, snippet_note = _decoding(model, exits, calibrated=bool(extra.get("calibration")))
     values = dict(
         generate_snippet=generate_snippet,
         snippet_note=snippet_note,
@@ -158,7 +104,7 @@ def render_model_card(model, extra: dict | None = None) -> str:
             else "# base_model: not recorded (built from a local folder that does not name its Hub model)"
         ),
         license_id=license_,
-        license_text=license_text,
+        license_text=_license_text(license_, base_model),
         title=base_model or f"{config.model_type.removeprefix('early_exit_').capitalize()} model",
         source=f"`{base_model}`" if base_model else "The base model",
         model_type=config.model_type,
@@ -181,6 +127,74 @@ def render_model_card(model, extra: dict | None = None) -> str:
         notes=extra.get("notes", ""),
     )
     return Template(_template_text()).safe_substitute(values)
+
+
+def _license_text(license_: str, base_model: str | None) -> str:
+    if license_ == "other":
+        return (
+            "The license of the base model was not recorded where this folder was built. The weights "
+            "here are the base model's, under its terms: check them before using or sharing this folder."
+        )
+    return (
+        f"`{license_}`, the license of the base model{f' `{base_model}`' if base_model else ''}, "
+        "whose weights this folder holds."
+    )
+
+
+def _decoding(model, exits, calibrated: bool) -> tuple[str, str, str]:
+    """(how the folder decodes, the card's generate() snippet, the note under it), from what the folder stores: a
+    lossless setting, calibrated exit settings, or nothing (`calibrated`: a calibration ran and kept none)."""
+    stored = model.exit_defaults if hasattr(model, "exit_defaults") else {}
+    exits_stored = stored.get("exit_criterion") is not None or stored.get("exit_patience")
+    decoding = "Full depth (no calibrated exit settings stored)."
+    if exits_stored:
+        decoding = (
+            f"criterion `{stored['exit_criterion']}`, threshold `{stored['exit_threshold']}`, policy "
+            f"`{stored['exit_policy'] or 'batch'}`, patience `{stored['exit_patience'] or 0}`, KV "
+            f"`{stored['exit_kv'] or 'immediate'}`, checked exits "
+            f"`{stored['exit_check_layers'] if stored['exit_check_layers'] is not None else exits}` "
+            "(stored in `generation_config.json`)"
+        )
+    lossless = {
+        name: getattr(model.generation_config, name, None)
+        for name in ("prompt_lookup_num_tokens", "max_matching_ngram_size", "assistant_early_exit")
+    }
+    lossless = {k: v for k, v in lossless.items() if v is not None}
+    if lossless:
+        decoding = (
+            "lossless speculative decoding, "
+            + ", ".join(f"`{k}={v}`" for k, v in lossless.items())
+            + " (stored in `generation_config.json`; the text is token for token full depth's)"
+        )
+        snippet = (
+            "# the stored lossless setting applies (generation_config.json): the same text as full depth, faster\n"
+            "out = model.generate(**inputs, max_new_tokens=32, return_dict_in_generate=True)"
+        )
+        return (
+            decoding,
+            snippet,
+            "The call above uses the setting stored in `generation_config.json` (" + decoding + ").",
+        )
+    if exits_stored:
+        snippet = (
+            "# the stored (calibrated) exit settings apply: generation_config.json holds them\n"
+            "out = model.generate(**inputs, max_new_tokens=32, return_dict_in_generate=True)"
+        )
+        note = "The call above uses the exit settings stored in `generation_config.json` (" + decoding + ")."
+        return decoding, snippet, note
+    snippet = (
+        "# no exit settings are stored (full depth by default): pass them to try early exit\n"
+        'out = model.generate(**inputs, max_new_tokens=32, exit_criterion="max_prob", '
+        "exit_threshold=0.9,\n                     return_dict_in_generate=True)"
+    )
+    note = (
+        "No exit settings are stored: calibration kept none (the Calibration section says why), so `generate()` "
+        "decodes at full depth and the snippet passes settings by hand to try early exit anyway."
+        if calibrated
+        else "No exit settings are stored, so the snippet passes some by hand; calibrate the folder "
+        "(`ee-transformers calibrate`) to store settings chosen for a quality target."
+    )
+    return decoding, snippet, note
 
 
 def write_model_card(model, folder, extra: dict | None = None) -> Path:

@@ -433,20 +433,7 @@ def fit_exit_heads(
     peft-wrapped model).
     """
     config = config or FitConfig()
-    ee = _ee(model)
-    exits = list(ee.config.exit_layers)
-    if not exits:
-        raise ValueError(
-            "The model has no exit heads (`config.exit_layers` is empty): load it with "
-            "`ee_transformers.from_base(path, exit_layers=[...])`."
-        )
-    if train_blocks.ndim != 2 or train_blocks.shape[0] == 0:
-        raise ValueError(
-            f"`train_blocks` must be a non-empty (n, block_size) tensor, got shape {tuple(train_blocks.shape)}."
-        )
-    from ee_transformers.training.data import check_block_size
-
-    check_block_size(int(train_blocks.shape[1]), ee.config)
+    _check_fit_inputs(model, train_blocks)
     resume_path = resolve_resume(resume, checkpoint_dir)
     resume_state = read_checkpoint_state(resume_path) if resume_path else None
     lora = config.lora_rank > 0
@@ -457,7 +444,6 @@ def fit_exit_heads(
     started = time.time()
     if lora and not hasattr(model, "disable_adapter"):
         model = attach_lora(model, config)
-        ee = _ee(model)
     _freeze_for_fitting(model, lora)
     heldout = heldout_blocks[: config.eval_blocks] if heldout_blocks is not None and len(heldout_blocks) else None
 
@@ -467,118 +453,11 @@ def fit_exit_heads(
         if lora:  # before any LoRA step the adapted model IS the original: report what heads alone achieve
             before["final_agreement"], before["final_kl"] = 1.0, 0.0
 
-    head_params = [p for n, p in ee.named_parameters() if p.requires_grad and n.startswith("exit_heads.")]
-    lora_params = [p for n, p in ee.named_parameters() if p.requires_grad and "lora_" in n]
-    groups = [{"params": head_params, "lr": config.lr}]
-    if lora_params:
-        groups.append({"params": lora_params, "lr": config.lora_lr})
-    optimizer = torch.optim.AdamW(groups, weight_decay=config.weight_decay, foreach=False)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda_for(config))
-
-    step_module = DistillationStep(model, config, lora)
-    wrapped, prepared_optimizer = accelerator.prepare(step_module, optimizer)
-    # the scheduler is stepped by hand once per optimizer step (accelerate would step it once per process)
-
-    start_step = 0
-    if resume_path:
-        trainable, state = load_checkpoint(resume_path, optimizer, scheduler)
-        params = trainable_state(model)
-        missing = sorted(set(params) - set(trainable))
-        if missing:
-            raise ValueError(f"Cannot resume from {resume_path}: it lacks {missing[:3]}...")
-        with torch.no_grad():
-            for name, p in params.items():
-                p.copy_(trainable[name].to(p.device, p.dtype))
-        start_step = state["step"]
-        accelerator.print(f"Resumed from {resume_path} at step {start_step}.")
-
-    stream = BlockStream(train_blocks, config.seed)
-    block_size = train_blocks.shape[1]
-    world, rank = accelerator.num_processes, accelerator.process_index
-    history = list(resume_state.get("history", [])) if resume_state else []
-    progress = None
-    if config.progress and accelerator.is_main_process:
-        from tqdm.auto import tqdm
-
-        progress = tqdm(total=config.steps, initial=start_step, desc="fit exit heads", dynamic_ncols=True)
-    meta = {
-        "exit_layers": exits,
-        "exit_head": ee.config.exit_head,
-        "exit_adapter_rank": ee.config.exit_adapter_rank,
-        "lora_rank": config.lora_rank,
-        "config": asdict(config),
-    }
-    try:
-        running_agree = None
-        for step in range(start_step, config.steps):
-            step_loss, step_agree, step_final = 0.0, torch.zeros(len(exits)), []
-            for micro in range(config.grad_accum):
-                m = step * config.grad_accum + micro  # global micro-batch index
-                first = (m * world + rank) * config.batch_size
-                samples = range(first, first + config.batch_size)
-                ids = torch.stack([train_blocks[stream.block_index(g)] for g in samples]).to(accelerator.device)
-                pos = torch.stack(
-                    [sample_positions(block_size, config.positions_per_block, config.seed, g) for g in samples]
-                ).to(accelerator.device)
-                if step_module.layer_drop is not None:
-                    step_module.layer_drop.draw(config.seed * 1_000_003 + 500_009 * (m + 1))
-                sync = micro == config.grad_accum - 1
-                with nullcontext() if sync else accelerator.no_sync(wrapped), accelerator.autocast():
-                    loss, agree, final_agree = wrapped(ids, pos)
-                    accelerator.backward(loss / config.grad_accum)
-                step_loss += float(loss.detach()) / config.grad_accum
-                step_agree += agree.float().cpu() / config.grad_accum
-                if not math.isnan(float(final_agree)):
-                    step_final.append(float(final_agree))
-            if config.max_grad_norm:
-                accelerator.clip_grad_norm_([p for g in groups for p in g["params"]], config.max_grad_norm)
-            prepared_optimizer.step()
-            scheduler.step()
-            prepared_optimizer.zero_grad(set_to_none=True)
-            done = step + 1
-            running_agree = step_agree if running_agree is None else 0.9 * running_agree + 0.1 * step_agree
-            metrics = {
-                "step": done,
-                "loss": round(step_loss, 5),
-                "agreement": [round(float(a), 4) for a in step_agree],
-                "lr": scheduler.get_last_lr()[0],
-            }
-            if step_final:
-                metrics["final_agreement"] = round(sum(step_final) / len(step_final), 4)
-            if config.eval_every and done % config.eval_every == 0 and done < config.steps and heldout is not None:
-                metrics["eval"] = evaluate_exits(model, heldout.to(accelerator.device), config.batch_size, lora=lora)
-                accelerator.print(f"step {done}: held-out agreement {metrics['eval']['agreement']}")
-            history.append(metrics)
-            if progress is not None:
-                postfix = {"loss": f"{step_loss:.3f}", "agree": "/".join(f"{a:.2f}" for a in running_agree)}
-                if step_final:
-                    postfix["final"] = f"{metrics['final_agreement']:.2f}"
-                progress.set_postfix(postfix)
-                progress.update(1)
-            if checkpoint_dir and config.checkpoint_every and done % config.checkpoint_every == 0:
-                accelerator.wait_for_everyone()
-                if accelerator.is_main_process:
-                    save_checkpoint(
-                        checkpoint_dir,
-                        done,
-                        trainable_state(model),
-                        optimizer,
-                        scheduler,
-                        {
-                            "meta": meta,
-                            "before": before,
-                            "history": history,
-                            "data_position": (done * config.grad_accum) * world * config.batch_size,
-                        },
-                        keep=config.keep_checkpoints,
-                    )
-            if on_step is not None and accelerator.is_main_process:
-                on_step(done, metrics)
-    finally:  # a killed or failed run leaves the model as it found it
-        if step_module.layer_drop is not None:
-            step_module.layer_drop.remove()
-        if progress is not None:
-            progress.close()
+    fit = _Fit.prepare(model, train_blocks, heldout, config, accelerator, lora)
+    fit.before = before
+    fit.history = list(resume_state.get("history", [])) if resume_state else []
+    start_step = fit.restore(resume_path) if resume_path else 0
+    fit.train(start_step, checkpoint_dir, on_step)
     accelerator.wait_for_everyone()
     _ee(model).eval()
     after = (
@@ -587,7 +466,8 @@ def fit_exit_heads(
         else None
     )
 
-    result = FitResult(model=model, exit_layers=exits, steps=config.steps, history=history)
+    exits = list(_ee(model).config.exit_layers)
+    result = FitResult(model=model, exit_layers=exits, steps=config.steps, history=fit.history)
     if before:
         result.agreement_before, result.kl_before = before["agreement"], before["kl"]
     if after:
@@ -601,6 +481,201 @@ def fit_exit_heads(
         p.requires_grad_(False)
     result.seconds = round(time.time() - started, 2)
     return result
+
+
+def _check_fit_inputs(model, train_blocks):
+    """`ValueError` unless the model has exits and `train_blocks` is a non-empty (n, block_size) tensor whose blocks
+    fit the model's positions."""
+    from ee_transformers.training.data import check_block_size
+
+    ee = _ee(model)
+    if not list(ee.config.exit_layers):
+        raise ValueError(
+            "The model has no exit heads (`config.exit_layers` is empty): load it with "
+            "`ee_transformers.from_base(path, exit_layers=[...])`."
+        )
+    if train_blocks.ndim != 2 or train_blocks.shape[0] == 0:
+        raise ValueError(
+            f"`train_blocks` must be a non-empty (n, block_size) tensor, got shape {tuple(train_blocks.shape)}."
+        )
+    check_block_size(int(train_blocks.shape[1]), ee.config)
+
+
+@dataclass
+class _Fit:
+    """The moving parts of one fit's training loop: the loss module (as accelerate prepared it), the optimizer and
+    scheduler, the order of the training blocks, and what the loop records (`history`, and `before` for
+    checkpoints)."""
+
+    model: nn.Module
+    config: FitConfig
+    accelerator: object
+    train_blocks: torch.LongTensor
+    heldout: torch.LongTensor | None
+    lora: bool
+    step_module: DistillationStep
+    wrapped: nn.Module
+    optimizer: torch.optim.Optimizer
+    prepared_optimizer: object
+    scheduler: object
+    groups: list
+    stream: BlockStream
+    before: dict | None = None
+    history: list = field(default_factory=list)
+
+    @classmethod
+    def prepare(cls, model, train_blocks, heldout, config: FitConfig, accelerator, lora: bool) -> "_Fit":
+        """AdamW over the heads (and LoRA adapters, at `lora_lr`), the cosine schedule, the loss module, all through
+        `accelerator.prepare`."""
+        ee = _ee(model)
+        head_params = [p for n, p in ee.named_parameters() if p.requires_grad and n.startswith("exit_heads.")]
+        lora_params = [p for n, p in ee.named_parameters() if p.requires_grad and "lora_" in n]
+        groups = [{"params": head_params, "lr": config.lr}]
+        if lora_params:
+            groups.append({"params": lora_params, "lr": config.lora_lr})
+        optimizer = torch.optim.AdamW(groups, weight_decay=config.weight_decay, foreach=False)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda_for(config))
+        step_module = DistillationStep(model, config, lora)
+        wrapped, prepared_optimizer = accelerator.prepare(step_module, optimizer)
+        # the scheduler is stepped by hand once per optimizer step (accelerate would step it once per process)
+        return cls(
+            model=model,
+            config=config,
+            accelerator=accelerator,
+            train_blocks=train_blocks,
+            heldout=heldout,
+            lora=lora,
+            step_module=step_module,
+            wrapped=wrapped,
+            optimizer=optimizer,
+            prepared_optimizer=prepared_optimizer,
+            scheduler=scheduler,
+            groups=groups,
+            stream=BlockStream(train_blocks, config.seed),
+        )
+
+    def restore(self, resume_path) -> int:
+        """Loads the trainable weights, optimizer and scheduler of a checkpoint; returns its step."""
+        trainable, state = load_checkpoint(resume_path, self.optimizer, self.scheduler)
+        params = trainable_state(self.model)
+        missing = sorted(set(params) - set(trainable))
+        if missing:
+            raise ValueError(f"Cannot resume from {resume_path}: it lacks {missing[:3]}...")
+        with torch.no_grad():
+            for name, p in params.items():
+                p.copy_(trainable[name].to(p.device, p.dtype))
+        self.accelerator.print(f"Resumed from {resume_path} at step {state['step']}.")
+        return state["step"]
+
+    def train(self, start_step: int, checkpoint_dir, on_step):
+        """Optimizer steps `start_step`..`config.steps`, with progress, evaluation, checkpoints and `on_step`; a
+        killed or failed run leaves the model as it found it (layer dropout removed)."""
+        config, accelerator = self.config, self.accelerator
+        progress = None
+        if config.progress and accelerator.is_main_process:
+            from tqdm.auto import tqdm
+
+            progress = tqdm(total=config.steps, initial=start_step, desc="fit exit heads", dynamic_ncols=True)
+        try:
+            running_agree = None
+            for step in range(start_step, config.steps):
+                step_loss, step_agree, step_final = self._accumulate(step)
+                if config.max_grad_norm:
+                    accelerator.clip_grad_norm_([p for g in self.groups for p in g["params"]], config.max_grad_norm)
+                self.prepared_optimizer.step()
+                self.scheduler.step()
+                self.prepared_optimizer.zero_grad(set_to_none=True)
+                done = step + 1
+                running_agree = step_agree if running_agree is None else 0.9 * running_agree + 0.1 * step_agree
+                metrics = self._metrics(done, step_loss, step_agree, step_final)
+                self.history.append(metrics)
+                if progress is not None:
+                    postfix = {"loss": f"{step_loss:.3f}", "agree": "/".join(f"{a:.2f}" for a in running_agree)}
+                    if step_final:
+                        postfix["final"] = f"{metrics['final_agreement']:.2f}"
+                    progress.set_postfix(postfix)
+                    progress.update(1)
+                if checkpoint_dir and config.checkpoint_every and done % config.checkpoint_every == 0:
+                    self._checkpoint(checkpoint_dir, done)
+                if on_step is not None and accelerator.is_main_process:
+                    on_step(done, metrics)
+        finally:
+            if self.step_module.layer_drop is not None:
+                self.step_module.layer_drop.remove()
+            if progress is not None:
+                progress.close()
+
+    def _accumulate(self, step: int):
+        """Forward and backward over the `grad_accum` micro-batches of optimizer step `step`; returns (mean loss,
+        mean per-exit agreement, final-layer agreements of the micro-batches that have one)."""
+        config, accelerator = self.config, self.accelerator
+        world, rank = accelerator.num_processes, accelerator.process_index
+        block_size = self.train_blocks.shape[1]
+        step_loss, step_agree, step_final = 0.0, torch.zeros(len(self.step_module.exit_layers)), []
+        for micro in range(config.grad_accum):
+            m = step * config.grad_accum + micro  # global micro-batch index
+            first = (m * world + rank) * config.batch_size
+            samples = range(first, first + config.batch_size)
+            ids = torch.stack([self.train_blocks[self.stream.block_index(g)] for g in samples]).to(accelerator.device)
+            pos = torch.stack(
+                [sample_positions(block_size, config.positions_per_block, config.seed, g) for g in samples]
+            ).to(accelerator.device)
+            if self.step_module.layer_drop is not None:
+                self.step_module.layer_drop.draw(config.seed * 1_000_003 + 500_009 * (m + 1))
+            sync = micro == config.grad_accum - 1
+            with nullcontext() if sync else accelerator.no_sync(self.wrapped), accelerator.autocast():
+                loss, agree, final_agree = self.wrapped(ids, pos)
+                accelerator.backward(loss / config.grad_accum)
+            step_loss += float(loss.detach()) / config.grad_accum
+            step_agree += agree.float().cpu() / config.grad_accum
+            if not math.isnan(float(final_agree)):
+                step_final.append(float(final_agree))
+        return step_loss, step_agree, step_final
+
+    def _metrics(self, done: int, step_loss, step_agree, step_final) -> dict:
+        """The history entry of optimizer step `done`, with a held-out evaluation every `eval_every` steps."""
+        config = self.config
+        metrics = {
+            "step": done,
+            "loss": round(step_loss, 5),
+            "agreement": [round(float(a), 4) for a in step_agree],
+            "lr": self.scheduler.get_last_lr()[0],
+        }
+        if step_final:
+            metrics["final_agreement"] = round(sum(step_final) / len(step_final), 4)
+        if config.eval_every and done % config.eval_every == 0 and done < config.steps and self.heldout is not None:
+            heldout = self.heldout.to(self.accelerator.device)
+            metrics["eval"] = evaluate_exits(self.model, heldout, config.batch_size, lora=self.lora)
+            self.accelerator.print(f"step {done}: held-out agreement {metrics['eval']['agreement']}")
+        return metrics
+
+    def _checkpoint(self, checkpoint_dir, done: int):
+        config, accelerator = self.config, self.accelerator
+        accelerator.wait_for_everyone()
+        if not accelerator.is_main_process:
+            return
+        ee = _ee(self.model)
+        meta = {
+            "exit_layers": list(ee.config.exit_layers),
+            "exit_head": ee.config.exit_head,
+            "exit_adapter_rank": ee.config.exit_adapter_rank,
+            "lora_rank": config.lora_rank,
+            "config": asdict(config),
+        }
+        save_checkpoint(
+            checkpoint_dir,
+            done,
+            trainable_state(self.model),
+            self.optimizer,
+            self.scheduler,
+            {
+                "meta": meta,
+                "before": self.before,
+                "history": self.history,
+                "data_position": (done * config.grad_accum) * accelerator.num_processes * config.batch_size,
+            },
+            keep=config.keep_checkpoints,
+        )
 
 
 def make_accelerator(mixed_precision: str = "no", find_unused_parameters: bool = False):
@@ -931,53 +1006,12 @@ def main(argv=None):
 def _run(args):
     from transformers import AutoTokenizer
 
-    from ee_transformers.training.data import check_block_size, load_blocks
+    from ee_transformers.training.data import load_blocks
 
     config = config_from_args(FitConfig, args, progress=not args.no_progress, merge_lora=not args.keep_adapters)
     # ---- everything that can be checked before loading weights --------------------------------------------------
     output = OutputFolder(args.out, overwrite=args.overwrite)
-    folder_config = read_config(args.model, "--model")
-    check_weights(args.model, "--model")
-    exit_layers = None
-    if args.exit_layers:
-        try:
-            exit_layers = [int(x) for x in args.exit_layers.split(",") if x.strip()]
-        except ValueError:
-            raise ValueError(f"`--exit-layers` must be comma-separated integers, got {args.exit_layers!r}.") from None
-    elif not folder_config.get("exit_layers"):
-        raise ValueError("`--exit-layers` is required for a plain checkpoint (e.g. --exit-layers 7,15,22).")
-    is_plain = not str(folder_config.get("model_type", "")).startswith("early_exit_")
-    head = args.exit_head or ("adapter" if is_plain else None)
-    rank = args.exit_adapter_rank or (64 if is_plain else None)
-    from ee_transformers import model_class_for
-    from ee_transformers.configuration_early_exit import validate_exit_layers
-
-    model_class_for(folder_config.get("model_type"))
-    validate_exit_layers(exit_layers or folder_config.get("exit_layers"), folder_config["num_hidden_layers"])
-
-    class _Limits:  # block size against the model's positions, before tokenising anything
-        max_position_embeddings = folder_config.get("max_position_embeddings")
-
-    check_block_size(args.block_size, _Limits)
-    checkpoint_dir = args.checkpoint_dir or os.path.abspath(args.out).rstrip(os.sep) + ".checkpoints"
-    check_checkpoint_dir(checkpoint_dir, "--checkpoint-dir" if args.checkpoint_dir else "--out")
-    resume_path = resolve_resume(args.resume, checkpoint_dir)
-    if args.resume and args.resume != "auto" and resume_path is None:
-        raise ValueError(f"`--resume` {args.resume!r}: no checkpoint there.")
-    if resume_path:
-        state = read_checkpoint_state(resume_path)
-        meta = state.get("meta", {})
-        want = exit_layers or folder_config.get("exit_layers")
-        if meta.get("exit_layers") is not None and meta["exit_layers"] != want:
-            raise ValueError(
-                f"`--exit-layers` {want} disagree with the checkpoint being resumed "
-                f"({resume_path}: {meta['exit_layers']})."
-            )
-        if meta.get("lora_rank", 0) != config.lora_rank:
-            raise ValueError(
-                f"`--lora-rank` {config.lora_rank} disagrees with the checkpoint being resumed "
-                f"({meta.get('lora_rank')})."
-            )
+    exit_layers, head, rank, checkpoint_dir = _check_model_arguments(args, config)
     quantization = _quantization_config(args)
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -1022,32 +1056,73 @@ def _run(args):
         final = _full_precision_copy(
             args, result, exit_layers, model.config.exit_head, model.config.exit_adapter_rank, config
         )
+    _write_fitted(args, output, final, result, config, tokenizer, splits, accelerator.num_processes)
+    return 0
+
+
+def _check_model_arguments(args, config: FitConfig):
+    """`--model`, `--exit-layers`, `--block-size`, `--checkpoint-dir` and `--resume` checked before any weights load.
+    Returns (exit layers or None for the folder's, exit head, adapter rank, checkpoint folder)."""
+    from ee_transformers import model_class_for
+    from ee_transformers.configuration_early_exit import validate_exit_layers
+    from ee_transformers.training.data import check_block_size
+
+    folder_config = read_config(args.model, "--model")
+    check_weights(args.model, "--model")
+    exit_layers = None
+    if args.exit_layers:
+        try:
+            exit_layers = [int(x) for x in args.exit_layers.split(",") if x.strip()]
+        except ValueError:
+            raise ValueError(f"`--exit-layers` must be comma-separated integers, got {args.exit_layers!r}.") from None
+    elif not folder_config.get("exit_layers"):
+        raise ValueError("`--exit-layers` is required for a plain checkpoint (e.g. --exit-layers 7,15,22).")
+    is_plain = not str(folder_config.get("model_type", "")).startswith("early_exit_")
+    head = args.exit_head or ("adapter" if is_plain else None)
+    rank = args.exit_adapter_rank or (64 if is_plain else None)
+    model_class_for(folder_config.get("model_type"))
+    validate_exit_layers(exit_layers or folder_config.get("exit_layers"), folder_config["num_hidden_layers"])
+
+    class _Limits:  # block size against the model's positions, before tokenising anything
+        max_position_embeddings = folder_config.get("max_position_embeddings")
+
+    check_block_size(args.block_size, _Limits)
+    checkpoint_dir = args.checkpoint_dir or os.path.abspath(args.out).rstrip(os.sep) + ".checkpoints"
+    check_checkpoint_dir(checkpoint_dir, "--checkpoint-dir" if args.checkpoint_dir else "--out")
+    _check_resume_argument(args.resume, checkpoint_dir, exit_layers or folder_config.get("exit_layers"), config)
+    return exit_layers, head, rank, checkpoint_dir
+
+
+def _check_resume_argument(resume, checkpoint_dir, exit_layers, config: FitConfig):
+    """`--resume` names a checkpoint made with these exit layers and this LoRA rank (when it names any)."""
+    resume_path = resolve_resume(resume, checkpoint_dir)
+    if resume and resume != "auto" and resume_path is None:
+        raise ValueError(f"`--resume` {resume!r}: no checkpoint there.")
+    if not resume_path:
+        return
+    meta = read_checkpoint_state(resume_path).get("meta", {})
+    if meta.get("exit_layers") is not None and meta["exit_layers"] != exit_layers:
+        raise ValueError(
+            f"`--exit-layers` {exit_layers} disagree with the checkpoint being resumed "
+            f"({resume_path}: {meta['exit_layers']})."
+        )
+    if meta.get("lora_rank", 0) != config.lora_rank:
+        raise ValueError(
+            f"`--lora-rank` {config.lora_rank} disagrees with the checkpoint being resumed ({meta.get('lora_rank')})."
+        )
+
+
+def _write_fitted(args, output, final, result: FitResult, config: FitConfig, tokenizer, splits, world: int):
+    """The fitted folder: weights (and `lora_adapter/` when adapters are kept), card and fit_report.json. Stored exit
+    settings are cleared: they were calibrated for the previous heads."""
     ee = _ee(final)
     if any(value is not None for value in ee.exit_defaults.values()):
         # decoding settings calibrated for the old heads no longer hold: back to full depth until recalibrated
         print("Cleared the stored exit settings (calibrated for the previous heads); run `ee-transformers calibrate`.")
         ee.set_exit_defaults(**{name: None for name in ee.exit_defaults})
     kept_adapters = hasattr(final, "save_pretrained") and final is not ee  # LoRA unmerged: base + adapter folder
-    from ee_transformers.training.data import expand_paths
-
-    data_files = expand_paths(args.data)
-    data_desc = ", ".join(sorted({os.path.basename(p) for p in data_files})[:8]) + (
-        f" and {len(data_files) - 8} more files" if len(data_files) > 8 else ""
-    )
     base_model = (getattr(ee, "card_data", None) or {}).get("base_model")  # from_base read it from the source
-    card = {
-        "training": training_card(
-            result,
-            config,
-            base_model,
-            data_desc,
-            splits.train.shape[0],
-            splits.heldout.shape[0],
-            args.block_size,
-            accelerator.num_processes,
-            quantized="4-bit" if args.load_in_4bit else "8-bit" if args.load_in_8bit else None,
-        )
-    }
+    card = {"training": _training_card_of_run(args, result, config, base_model, splits, world)}
     if kept_adapters:
         card["notes"] = (
             "## LoRA adapters\n\nThe weights here are the ORIGINAL backbone; the fitted LoRA adapters are in "
@@ -1055,7 +1130,7 @@ def _run(args):
         )
     report = {
         "base_model": base_model,
-        "exit_layers": exit_layers,
+        "exit_layers": list(result.exit_layers),
         "data": list(args.data),
         "train_blocks": int(splits.train.shape[0]),
         "heldout_blocks": int(splits.heldout.shape[0]),
@@ -1074,7 +1149,27 @@ def _run(args):
         f"Wrote {args.out}: held-out agreement per exit {result.agreement_before} -> {result.agreement_after}"
         + (f"; final layer vs original {result.final_agreement}" if result.final_agreement is not None else "")
     )
-    return 0
+
+
+def _training_card_of_run(args, result: FitResult, config: FitConfig, base_model, splits, world: int) -> str:
+    """`training_card` of a command-line run: its data files named (the first eight), blocks and quantization."""
+    from ee_transformers.training.data import expand_paths
+
+    data_files = expand_paths(args.data)
+    data_desc = ", ".join(sorted({os.path.basename(p) for p in data_files})[:8]) + (
+        f" and {len(data_files) - 8} more files" if len(data_files) > 8 else ""
+    )
+    return training_card(
+        result,
+        config,
+        base_model,
+        data_desc,
+        splits.train.shape[0],
+        splits.heldout.shape[0],
+        args.block_size,
+        world,
+        quantized="4-bit" if args.load_in_4bit else "8-bit" if args.load_in_8bit else None,
+    )
 
 
 if __name__ == "__main__":

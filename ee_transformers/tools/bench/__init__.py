@@ -25,6 +25,9 @@ Python API: `BenchConfig` (the settings; the CLI's flags are generated from it),
 Modules, in the order a run uses them: `loading` (the plain twin, prompts, batches), `forced` (forced exit profiles),
 `timing` (interleaved generate, paired ratios, agreement), `step_profile` (where a step's time goes), `run` (the
 configurations and the whole benchmark), `report` (targets, table, plots, files), `cli` (`ee-transformers bench`).
+The other benchmarks are one module each, with a config dataclass their flags are generated from: `lean`
+(`ee-transformers bench-lean`), `speculative` (`bench-speculative`), `lossless` (`bench-lossless`), `pool`
+(`bench-pool`), `serve` (`bench-serve`).
 """
 
 from ee_transformers.tools.bench.cli import build_parser, main

@@ -76,7 +76,7 @@ def build_parser():
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a == "--memory-budget" or a.startswith("--memory-budget=") for a in argv):  # HELIOS: lean vs full
-        from ee_transformers.tools.bench_lean import main as lean_main
+        from ee_transformers.tools.bench.lean import main as lean_main
 
         return lean_main(argv)
     return run_command(build_parser(), lambda args: _run(args, argv), argv)

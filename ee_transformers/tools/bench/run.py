@@ -123,8 +123,31 @@ def run_benchmark(ee_model, plain_model, prompts, config=None, log=print):
     """The whole benchmark of `config` (a `BenchConfig`) on `prompts` (from `heldout_prompts` / `random_prompts`);
     returns the report dict (see `format_table`, `plot_frontier`, `plot_histogram`, `write_outputs`)."""
     config = config or BenchConfig()
-    device = ee_model.device
     prompt_length = len(prompts[0]["ids"])
+    report = _new_report(ee_model, prompts, config)
+    profiles = list(FORCED_GRID) if config.forced_grid == "full" else list(FORCED_PROFILES)
+    modes = config.modes()
+    for batch_size, n_batches in zip(config.batch_sizes, config.batches_per_size()):
+        batches = make_batches(prompts, batch_size, n_batches, device=ee_model.device)
+        costs = report["costs"][str(batch_size)] = _cost_model(ee_model, batch_size, prompt_length, config, log)
+        for variants, repeats in _variant_groups(ee_model, batch_size, config, profiles, modes):
+            if not variants:
+                continue
+            log(
+                f"[bench] batch {batch_size}: {len(variants)} configurations ({variants[0].kind}...), {repeats} "
+                f"repeats x {len(batches)} batches"
+            )
+            report["results"] += compare_many(ee_model, plain_model, batches, variants, config, repeats, costs, log)
+        if config.profile:
+            log(f"[bench] batch {batch_size}: step profiles")
+            report["profiles"] += _step_profiles(ee_model, plain_model, batches[0], batch_size, config, modes)
+    report["targets"] = evaluate_targets(report)
+    return report
+
+
+def _new_report(ee_model, prompts, config: BenchConfig) -> dict:
+    """The report before any measurement: machine, model, settings, config, and a note when the model stores no
+    calibrated settings."""
     calibrated = _settings(ee_model, {}) is not None
     report = {
         "machine": machine_info(),
@@ -141,7 +164,7 @@ def run_benchmark(ee_model, plain_model, prompts, config=None, log=print):
             "batch_sizes": list(config.batch_sizes),
             "new_tokens": config.new_tokens,
             "repeats": config.repeats,
-            "prompt_length": prompt_length,
+            "prompt_length": len(prompts[0]["ids"]),
             "prompts": len(prompts),
             "max_batches": config.batches_per_size(),
             "domains": sorted({p["domain"] for p in prompts}),
@@ -159,56 +182,51 @@ def run_benchmark(ee_model, plain_model, prompts, config=None, log=print):
             if config.calibrated == "always"
             else "The model has no calibrated exit settings in its config: the calibrated target is not measured."
         )
-    profiles = list(FORCED_GRID) if config.forced_grid == "full" else list(FORCED_PROFILES)
-    modes = config.modes()
-    for batch_size, n_batches in zip(config.batch_sizes, config.batches_per_size()):
-        batches = make_batches(prompts, batch_size, n_batches, device=device)
-        log(f"[bench] batch {batch_size}: measuring the cost model")
-        costs = measure_costs(
-            ee_model,
-            batch_size,
-            prompt_length=prompt_length,
-            context=prompt_length + config.new_tokens // 2,
-            repeats=config.cost_repeats,
-        )
-        report["costs"][str(batch_size)] = costs
-        le = costs["layer_equivalents"]
-        log(
-            f"[bench]   layer {costs['ms']['layer'][str(batch_size)]:.3f} ms; in layer steps: head check "
-            f"{le['head_check']:.2f}, head {le['head']:.2f}, final head {le['final_head']:.2f}, backfill "
-            f"{le['backfill']:.3f}, deferred extra {le['deferred_extra']:.3f}"
-        )
-        main = []
-        if config.calibrated != "off":
-            main.append(calibrated_variant(ee_model, always=config.calibrated == "always"))
-        if config.disabled:
-            main.append(Variant("exits disabled", "disabled", {"early_exit": False}))
-        groups = [([v for v in main if v is not None], config.main_repeats or 2 * config.repeats)]
-        if config.forced:
-            groups.append((forced_variants(profiles, modes, batch_size), config.repeats))
-        if config.sweep and (config.sweep_batch_sizes is None or batch_size in config.sweep_batch_sizes):
-            groups.append(
-                (sweep_variants(ee_model, batch_size, config.sweep_grid), config.sweep_repeats or config.repeats)
-            )
-        for variants, repeats in groups:
-            if not variants:
-                continue
-            log(
-                f"[bench] batch {batch_size}: {len(variants)} configurations ({variants[0].kind}...), {repeats} "
-                f"repeats x {len(batches)} batches"
-            )
-            report["results"] += compare_many(ee_model, plain_model, batches, variants, config, repeats, costs, log)
-        if config.profile:
-            log(f"[bench] batch {batch_size}: step profiles")
-            report["profiles"].append(profile_step(plain_model, batches[0], config.new_tokens, None, "plain"))
-            to_profile = [v for v in [calibrated_variant(ee_model)] if v is not None]
-            if config.forced:
-                to_profile += forced_variants(["mixed"], modes, batch_size)
-            for variant in to_profile:
-                report["profiles"].append(
-                    profile_step(
-                        ee_model, batches[0], config.new_tokens, _generate_kwargs(ee_model, variant), variant.name
-                    )
-                )
-    report["targets"] = evaluate_targets(report)
     return report
+
+
+def _cost_model(ee_model, batch_size, prompt_length, config: BenchConfig, log) -> dict:
+    log(f"[bench] batch {batch_size}: measuring the cost model")
+    costs = measure_costs(
+        ee_model,
+        batch_size,
+        prompt_length=prompt_length,
+        context=prompt_length + config.new_tokens // 2,
+        repeats=config.cost_repeats,
+    )
+    le = costs["layer_equivalents"]
+    log(
+        f"[bench]   layer {costs['ms']['layer'][str(batch_size)]:.3f} ms; in layer steps: head check "
+        f"{le['head_check']:.2f}, head {le['head']:.2f}, final head {le['final_head']:.2f}, backfill "
+        f"{le['backfill']:.3f}, deferred extra {le['deferred_extra']:.3f}"
+    )
+    return costs
+
+
+def _variant_groups(ee_model, batch_size, config: BenchConfig, profiles, modes) -> list[tuple[list, int]]:
+    """[(variants, repeats)] measured at `batch_size`: calibrated and exits disabled (more repeats: their targets sit
+    near 1.0x), forced profiles, the sweep."""
+    main = []
+    if config.calibrated != "off":
+        main.append(calibrated_variant(ee_model, always=config.calibrated == "always"))
+    if config.disabled:
+        main.append(Variant("exits disabled", "disabled", {"early_exit": False}))
+    groups = [([v for v in main if v is not None], config.main_repeats or 2 * config.repeats)]
+    if config.forced:
+        groups.append((forced_variants(profiles, modes, batch_size), config.repeats))
+    if config.sweep and (config.sweep_batch_sizes is None or batch_size in config.sweep_batch_sizes):
+        groups.append((sweep_variants(ee_model, batch_size, config.sweep_grid), config.sweep_repeats or config.repeats))
+    return groups
+
+
+def _step_profiles(ee_model, plain_model, batch, batch_size, config: BenchConfig, modes) -> list[dict]:
+    """Where a decoding step's time goes: plain, the calibrated settings and the mixed forced profile."""
+    profiles = [profile_step(plain_model, batch, config.new_tokens, None, "plain")]
+    to_profile = [v for v in [calibrated_variant(ee_model)] if v is not None]
+    if config.forced:
+        to_profile += forced_variants(["mixed"], modes, batch_size)
+    for variant in to_profile:
+        profiles.append(
+            profile_step(ee_model, batch, config.new_tokens, _generate_kwargs(ee_model, variant), variant.name)
+        )
+    return profiles

@@ -207,9 +207,7 @@ def _compare_many(ee_model, plain_model, batches, variants, config, repeats, cos
     batch_size = batches[0][0].shape[0]
     if config.warmup:  # first calls pay one-off allocation and dispatch costs
         for batch in batches[:1]:
-            _timed_generate(plain_model, batch, min(new_tokens, 3), {})
-            for variant in variants:
-                _timed_generate(ee_model, batch, min(new_tokens, 3), _generate_kwargs(ee_model, variant))
+            _warm_up(ee_model, plain_model, batch, variants, min(new_tokens, 3))
     per = [defaultdict(list) for _ in variants]
     plain_ms = []
     # one set of generate arguments per variant for the whole comparison: a forced profile's stratified draws run on
@@ -217,106 +215,132 @@ def _compare_many(ee_model, plain_model, batches, variants, config, repeats, cos
     variant_kwargs = [_generate_kwargs(ee_model, variant) for variant in variants]
     for r in range(repeats):
         for b, batch in enumerate(batches):
-            # plain, c1, plain, c2, ..., ck, plain: each configuration sits between two plain runs, so a slow
-            # drift of the machine cancels in its ratio; the configurations' order flips every repeat
             order = list(range(len(variants)))
-            if r % 2:
+            if r % 2:  # the configurations' order flips every repeat
                 order.reverse()
-            plain_runs, timings = [], {}
-            seconds, prefill, steps, plain_out = _timed_generate(plain_model, batch, new_tokens, {})
-            plain_out = SimpleNamespace(sequences=plain_out.sequences.cpu())
-            plain_runs.append((_decode_ms(seconds, prefill, steps), 1e3 * seconds))
-            for k in order:
-                seconds, prefill, steps, out = _timed_generate(ee_model, batch, new_tokens, variant_kwargs[k])
-                out = SimpleNamespace(sequences=out.sequences.cpu(), exit_layers=out.exit_layers.cpu())  # no cache
-                before = plain_runs[-1]
-                seconds_p, prefill_p, steps_p, _ = _timed_generate(plain_model, batch, new_tokens, {})
-                plain_runs.append((_decode_ms(seconds_p, prefill_p, steps_p), 1e3 * seconds_p))
-                after = plain_runs[-1]
-                timings[k] = (
-                    _decode_ms(seconds, prefill, steps),
-                    1e3 * seconds,
-                    out,
-                    (before[0] + after[0]) / 2,
-                    (before[1] + after[1]) / 2,
-                )
+            plain_out, plain_runs, timings = _interleaved(
+                ee_model, plain_model, batch, new_tokens, variant_kwargs, order
+            )
             plain_ms += [ms for ms, _ in plain_runs]
-            prompt_length = batch[0].shape[1]
             for k in range(len(variants)):
-                ee_step_ms, ee_total_ms, out, plain_step_ms, plain_total_ms = timings[k]
-                record = per[k]
-                record["ratio"].append(plain_step_ms / ee_step_ms)
-                record["e2e_ratio"].append(plain_total_ms / ee_total_ms)
-                record["ee_ms"].append(ee_step_ms)
-                record["exit_layers"].append(out.exit_layers.cpu())
-                settings = _settings(ee_model, variant_kwargs[k])
-                ideal = _ideal(settings, out.exit_layers.cpu(), costs)
-                record["ideal"].append(ideal)
-                record["realised_over_ideal"].append(plain_step_ms / ee_step_ms / ideal if ideal else math.nan)
+                _record_speed(per[k], timings[k], _settings(ee_model, variant_kwargs[k]), costs)
                 if r == 0:  # greedy decoding is deterministic: one repeat gives the quality figures
-                    rows = agreement(
-                        plain_out.sequences[:, prompt_length:].cpu(), out.sequences[:, prompt_length:].cpu(), eos
-                    )
-                    for row, domain in zip(rows, batch[2]):
-                        record["agreement_rows"].append({**row, "domain": domain})
-                    mask = batch[1]
-                    record["views"].append(
-                        full_model_view(plain_model, out.sequences.to(mask.device), prompt_length, mask, eos)
-                    )
-                    record["plain_views"].append(
-                        full_model_view(plain_model, plain_out.sequences.to(mask.device), prompt_length, mask, eos)
-                    )
+                    _record_quality(per[k], plain_model, batch, timings[k][2], plain_out, eos)
             if log:
                 log(
                     f"  batch {batch_size} repeat {r + 1}/{repeats} batch {b + 1}/{len(batches)}: plain "
                     f"{statistics.median(ms for ms, _ in plain_runs):.1f} ms/step; "
                     + ", ".join(f"{variants[k].name} {per[k]['ratio'][-1]:.2f}x" for k in range(len(variants)))
                 )
-    results = []
-    for variant, record in zip(variants, per):
-        settings = _settings(ee_model, _generate_kwargs(ee_model, variant))
-        rows = record["agreement_rows"]
-        compared = sum(r["compared"] for r in rows)
-        by_domain = {}
-        for domain in sorted({r["domain"] for r in rows}):
-            sub = [r for r in rows if r["domain"] == domain]
-            by_domain[domain] = sum(r["matches"] for r in sub) / max(sum(r["compared"] for r in sub), 1)
-        result = {
-            "name": variant.name,
-            "kind": variant.kind,
-            "batch_size": batch_size,
-            "new_tokens": new_tokens,
-            "repeats": repeats,
-            "exit_kwargs": dict(variant.exit_kwargs),
-            "forced": variant.forced,
-            "criterion": None if settings is None else settings.criterion.name,
-            "policy": None if settings is None else settings.policy,
-            "kv": None if settings is None else settings.kv,
-            "check_layers": None if settings is None else settings.check_layers,
-            "speedup": _summarise(record["ratio"]),
-            "speedup_end_to_end": _summarise(record["e2e_ratio"]),
-            "plain_ms_per_step": _summarise(plain_ms),  # decoding steps, prefill excluded
-            "ee_ms_per_step": _summarise(record["ee_ms"]),
-            "agreement": {
-                "share": sum(r["matches"] for r in rows) / max(compared, 1),
-                "first_divergence": statistics.mean(r["first_divergence"] for r in rows) if rows else math.nan,
-                "compared_tokens": compared,
-                "by_domain": by_domain,
-            },
-            "quality": summarise_views(record["views"], record["plain_views"]),
-            "exits": _exit_summary(ee_model, record["exit_layers"]),
-            "ideal_speedup": _summarise(record["ideal"]),
-            "realised_over_ideal": _summarise(record["realised_over_ideal"]),
+    return [
+        _variant_result(ee_model, variant, record, batch_size, new_tokens, repeats, plain_ms)
+        for variant, record in zip(variants, per)
+    ]
+
+
+def _warm_up(ee_model, plain_model, batch, variants, new_tokens):
+    _timed_generate(plain_model, batch, new_tokens, {})
+    for variant in variants:
+        _timed_generate(ee_model, batch, new_tokens, _generate_kwargs(ee_model, variant))
+
+
+def _interleaved(ee_model, plain_model, batch, new_tokens, variant_kwargs, order):
+    """plain, c1, plain, c2, ..., ck, plain on one batch: each configuration sits between two plain runs, so a slow
+    drift of the machine cancels in its ratio. Returns (plain's output, plain's (ms per step, total ms) per run,
+    {k: (ms per step, total ms, output, the neighbouring plain runs' mean ms per step, mean total ms)})."""
+    plain_runs, timings = [], {}
+    seconds, prefill, steps, plain_out = _timed_generate(plain_model, batch, new_tokens, {})
+    plain_out = SimpleNamespace(sequences=plain_out.sequences.cpu())
+    plain_runs.append((_decode_ms(seconds, prefill, steps), 1e3 * seconds))
+    for k in order:
+        seconds, prefill, steps, out = _timed_generate(ee_model, batch, new_tokens, variant_kwargs[k])
+        out = SimpleNamespace(sequences=out.sequences.cpu(), exit_layers=out.exit_layers.cpu())  # no cache
+        before = plain_runs[-1]
+        seconds_p, prefill_p, steps_p, _ = _timed_generate(plain_model, batch, new_tokens, {})
+        plain_runs.append((_decode_ms(seconds_p, prefill_p, steps_p), 1e3 * seconds_p))
+        after = plain_runs[-1]
+        timings[k] = (
+            _decode_ms(seconds, prefill, steps),
+            1e3 * seconds,
+            out,
+            (before[0] + after[0]) / 2,
+            (before[1] + after[1]) / 2,
+        )
+    return plain_out, plain_runs, timings
+
+
+def _record_speed(record, timing, settings, costs):
+    """Adds one run's paired ratios, exit layers and ideal speed-up to a variant's `record`."""
+    ee_step_ms, ee_total_ms, out, plain_step_ms, plain_total_ms = timing
+    record["ratio"].append(plain_step_ms / ee_step_ms)
+    record["e2e_ratio"].append(plain_total_ms / ee_total_ms)
+    record["ee_ms"].append(ee_step_ms)
+    record["exit_layers"].append(out.exit_layers.cpu())
+    ideal = _ideal(settings, out.exit_layers.cpu(), costs)
+    record["ideal"].append(ideal)
+    record["realised_over_ideal"].append(plain_step_ms / ee_step_ms / ideal if ideal else math.nan)
+
+
+def _record_quality(record, plain_model, batch, out, plain_out, eos):
+    """Adds one run's agreement rows (with their domains) and the full model's views to a variant's `record`."""
+    prompt_length, mask = batch[0].shape[1], batch[1]
+    rows = agreement(plain_out.sequences[:, prompt_length:].cpu(), out.sequences[:, prompt_length:].cpu(), eos)
+    for row, domain in zip(rows, batch[2]):
+        record["agreement_rows"].append({**row, "domain": domain})
+    record["views"].append(full_model_view(plain_model, out.sequences.to(mask.device), prompt_length, mask, eos))
+    record["plain_views"].append(
+        full_model_view(plain_model, plain_out.sequences.to(mask.device), prompt_length, mask, eos)
+    )
+
+
+def _agreement_summary(rows):
+    """Identical-token share overall and per domain, and mean tokens to the first divergence, of agreement rows."""
+    compared = sum(r["compared"] for r in rows)
+    by_domain = {}
+    for domain in sorted({r["domain"] for r in rows}):
+        sub = [r for r in rows if r["domain"] == domain]
+        by_domain[domain] = sum(r["matches"] for r in sub) / max(sum(r["compared"] for r in sub), 1)
+    return {
+        "share": sum(r["matches"] for r in rows) / max(compared, 1),
+        "first_divergence": statistics.mean(r["first_divergence"] for r in rows) if rows else math.nan,
+        "compared_tokens": compared,
+        "by_domain": by_domain,
+    }
+
+
+def _variant_result(ee_model, variant, record, batch_size, new_tokens, repeats, plain_ms):
+    """The result dict of one variant from what its runs recorded."""
+    settings = _settings(ee_model, _generate_kwargs(ee_model, variant))
+    result = {
+        "name": variant.name,
+        "kind": variant.kind,
+        "batch_size": batch_size,
+        "new_tokens": new_tokens,
+        "repeats": repeats,
+        "exit_kwargs": dict(variant.exit_kwargs),
+        "forced": variant.forced,
+        "criterion": None if settings is None else settings.criterion.name,
+        "policy": None if settings is None else settings.policy,
+        "kv": None if settings is None else settings.kv,
+        "check_layers": None if settings is None else settings.check_layers,
+        "speedup": _summarise(record["ratio"]),
+        "speedup_end_to_end": _summarise(record["e2e_ratio"]),
+        "plain_ms_per_step": _summarise(plain_ms),  # decoding steps, prefill excluded
+        "ee_ms_per_step": _summarise(record["ee_ms"]),
+        "agreement": _agreement_summary(record["agreement_rows"]),
+        "quality": summarise_views(record["views"], record["plain_views"]),
+        "exits": _exit_summary(ee_model, record["exit_layers"]),
+        "ideal_speedup": _summarise(record["ideal"]),
+        "realised_over_ideal": _summarise(record["realised_over_ideal"]),
+    }
+    if variant.forced is not None:
+        profile = _generate_kwargs(ee_model, variant)["exit_criterion"].targets
+        result["forced"] = {
+            **variant.forced,
+            "layers": {str(k): v for k, v in profile.layers.items()},
+            "requested_mean_exit_layer": profile.mean_exit_layer,
         }
-        if variant.forced is not None:
-            profile = _generate_kwargs(ee_model, variant)["exit_criterion"].targets
-            result["forced"] = {
-                **variant.forced,
-                "layers": {str(k): v for k, v in profile.layers.items()},
-                "requested_mean_exit_layer": profile.mean_exit_layer,
-            }
-        results.append(result)
-    return results
+    return result
 
 
 def compare(ee_model, plain_model, prompts, exit_kwargs=None, config=None, batch_size=1, name="early exit", costs=None):
