@@ -58,10 +58,13 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 from transformers.generation.stopping_criteria import MaxLengthCriteria, StoppingCriteriaList
+from transformers.utils import logging
 
 from .decode_core import run_layers
 from .generation_early_exit import EXIT_ARGUMENTS, GenerateEarlyExitOutput
-from .lean_early_exit import _is_int
+from .lean_early_exit import _is_int, is_lean
+
+logger = logging.get_logger(__name__)
 
 # ---------------------------------------------------------------------------------------------------------------------
 # settings
@@ -103,6 +106,12 @@ def speculation_requested(model, generation_config, kwargs, batch_size=None) -> 
     if not names:
         return False
     stored = stored_draft_settings(model, generation_config, kwargs)
+    if set(names) <= set(stored) and is_lean(model):
+        logger.warning_once(
+            f"The stored draft settings {names} are not used by a lean model (verification needs every layer): it "
+            "decodes at its loaded depth."
+        )
+        return False
     limit = _requested(MAX_BATCH_FIELD, model, generation_config, kwargs)
     if limit is not None and (not _is_int(limit) or limit < 1):
         raise ValueError(f"`{MAX_BATCH_FIELD}` must be an integer >= 1 or None, got {limit!r}.")

@@ -345,3 +345,19 @@ def test_benchmarks_time_only_the_draft_sources_a_row_names(models):
         assert only_these_drafts({"exit_threshold": 0.5}) == {"exit_threshold": 0.5}  # no drafts named: unchanged
     finally:
         model.generation_config.prompt_lookup_num_tokens = None
+
+
+def test_a_lean_model_decodes_at_its_depth_despite_stored_draft_settings(base_dirs, tmp_path):
+    """Stored drafts need every layer to verify: a lean model of the folder decodes at its loaded depth (a warning
+    says so), while drafts asked for in the call still raise."""
+    model = eet.from_base(base_dirs["llama"][0], exit_layers=[0, 1, 2]).eval()
+    model.generation_config.prompt_lookup_num_tokens = 2
+    model.save_pretrained(tmp_path)
+    lean = eet.EarlyExitLlamaForCausalLM.from_pretrained(tmp_path, exit_max_layer=1).eval()
+    ids = torch.tensor([[5, 6, 7, 5, 6, 7, 5, 6]])
+    counter = LayerCalls(lean)
+    out = lean.generate(ids, max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
+    counter.remove()
+    assert counter.calls[2:] == [0, 0] and (out.exit_layers == 1).all()
+    with pytest.raises(ValueError, match="holds decoder layers 0..1 only"):
+        lean.generate(ids, max_new_tokens=2, prompt_lookup_num_tokens=2)

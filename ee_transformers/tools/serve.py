@@ -15,7 +15,7 @@ Three things this adds to transformers' server, and nothing else:
   decoded with other settings than it asked for.
 - **a lean model and server-wide settings.** `--exit-max-layer E` loads decoder layers 0..E only (HELIOS): tokens
   exit by layer E. `--exit-settings JSON` sets the server's exit settings (as `model.set_exit_defaults`) over the
-  folder's stored ones.
+  folder's stored ones, and turns its stored draft settings off (they would take precedence).
 
 Sequential serving (no `--continuous-batching`) runs `model.generate`, so per-request settings work there. With
 `--continuous-batching`, exits run inside transformers' continuous batching (`paged_early_exit.py`).
@@ -28,6 +28,7 @@ import transformers
 from ee_transformers.convert import read_config
 from ee_transformers.generation_early_exit import EXIT_ARGUMENTS, resolve_exit_settings
 from ee_transformers.modeling_early_exit import FAMILIES
+from ee_transformers.speculative_early_exit import DRAFT_SOURCES, MAX_BATCH_FIELD
 from ee_transformers.tools.arguments import ArgumentParser, InputError
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
@@ -44,8 +45,10 @@ class FolderLoader:
         if self.exit_max_layer is not None:
             kwargs["exit_max_layer"] = self.exit_max_layer
         model = self.model_class.from_pretrained(*args, **kwargs)
-        if self.exit_settings:
+        if self.exit_settings:  # the server's confident exits: stored draft settings would take precedence
             model.set_exit_defaults(**self.exit_settings)
+            for name in (*DRAFT_SOURCES, MAX_BATCH_FIELD):
+                setattr(model.generation_config, name, None)
         return model
 
 

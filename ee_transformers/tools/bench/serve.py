@@ -169,12 +169,13 @@ def _level(server, model, prompts, clients, config, bar):
     return wall, [r[0] for r in results], [r[1] for r in results], sum(r[2] for r in results)
 
 
-def run_serve_bench(model: str, base: str, config: ServeBenchConfig, out: Path | None = None, log=print) -> dict:
+def run_serve_bench(model: str, base: str, config: ServeBenchConfig, out: Path | None = None, log=None) -> dict:
     """Every (server, mode, clients) row of the run; see the module docstring."""
     from transformers import AutoTokenizer  # noqa: PLC0415
 
     from ee_transformers.tools.bench.loading import heldout_prompts  # noqa: PLC0415
 
+    log = log or (lambda line: print(line, flush=True))
     tokenizer = AutoTokenizer.from_pretrained(base)
     ids = heldout_prompts(tokenizer, num_prompts=config.num_prompts, window=config.prompt_tokens, seed=config.seed)
     prompts = [tokenizer.decode(p["ids"]) for p in ids]
@@ -201,15 +202,26 @@ def run_serve_bench(model: str, base: str, config: ServeBenchConfig, out: Path |
                             reference = texts  # plain, sequential, the first level: the text every row is held to
                         rows.append(_row(kind, mode, clients, wall, latencies, texts, tokens, reference, server.rss()))
                         log(format_serve([rows[-1]], header=len(rows) == 1))
+                        if out is not None:
+                            _write(logs, model, base, config, rows)
+                except Exception as error:  # a server that fails is a row that says so; the others still run
+                    rows.append({"server": kind, "mode": mode, "error": f"{type(error).__name__}: {error}"})
+                    log(f"| {kind} | {mode} | failed: {rows[-1]['error'][:200]} (log: {server.log_path}) |")
                 finally:
                     server_log = server.stop()
                 if "Traceback" in server_log:
                     log(f"note: the {kind} {mode} server logged a traceback: see {server.log_path}")
-    result = {"model": model, "base": base, "config": asdict(config), "rows": rows}
     if out is not None:
-        (logs / "serve.json").write_text(json.dumps(result, indent=2))
-        (logs / "serve.md").write_text(format_serve(rows) + "\n")
-    return result
+        _write(logs, model, base, config, rows)
+    return {"model": model, "base": base, "config": asdict(config), "rows": rows}
+
+
+def _write(folder, model, base, config, rows):
+    """serve.json and serve.md as they stand (written after every row, so a run cut short keeps its rows)."""
+    (folder / "serve.json").write_text(
+        json.dumps({"model": model, "base": base, "config": asdict(config), "rows": rows}, indent=2)
+    )
+    (folder / "serve.md").write_text(format_serve(rows) + "\n")
 
 
 def openai_client(server):
@@ -245,6 +257,9 @@ def format_serve(rows, header=True) -> str:
             "|---|---|---|---|---|---|---|---|---|",
         ]
     for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['server']} | {r['mode']} | failed: {r['error'][:120]} | | | | | | |")
+            continue
         lines.append(
             f"| {r['server']} | {r['mode']} | {r['clients']} | {r['requests']} | {r['tokens_per_s']:.1f} | "
             f"{r['p50_s']:.2f} | {r['p95_s']:.2f} | {r['rss_mb']:.0f} | {r['same_text']}/{r['requests']} |"
