@@ -32,6 +32,7 @@ import copy
 import dataclasses
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
@@ -147,9 +148,7 @@ class Packed:
     starts: list = field(init=False)
 
     def __post_init__(self):
-        self.starts = [0]
-        for n in self.q_lens:
-            self.starts.append(self.starts[-1] + n)
+        self.starts = [0, *accumulate(self.q_lens)]
 
     @classmethod
     def read(cls, cache, attention_mask, attention: dict) -> "Packed":
@@ -175,10 +174,7 @@ class Packed:
         )
 
     def key_index(self, kind: str, requests, device) -> torch.Tensor:
-        lens = self.k_lens[kind]
-        starts = [0]
-        for n in lens:
-            starts.append(starts[-1] + n)
+        starts = [0, *accumulate(self.k_lens[kind])]
         return torch.tensor(
             [k for r in requests for k in range(starts[r], starts[r + 1])], dtype=torch.long, device=device
         )
@@ -190,7 +186,7 @@ class Packed:
         q_lens = [self.q_lens[r] for r in requests]
         k_lens = {kind: [lens[r] for r in requests] for kind, lens in self.k_lens.items()}
         a = dict(self.attention)
-        to_cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)  # noqa: E731
+        to_cu = lambda lens: torch.tensor([0, *accumulate(lens)], dtype=torch.int32, device=device)  # noqa: E731
         a["cu_seq_lens_q"] = to_cu(q_lens)
         a["max_length_q"] = max(q_lens)
         a["cu_seq_lens_k"] = {kind: to_cu(lens) for kind, lens in k_lens.items()}
@@ -213,16 +209,15 @@ class Packed:
             return self.masks
         return {"full_attention": self.masks, "sliding_attention": self.masks}
 
-    def write_kv(self, cache, layer_idx: int, key, value, tokens: torch.Tensor) -> None:
-        """Writes K/V `(1, kv_heads, n, head_dim)` of packed tokens `tokens` into their slots of layer `layer_idx`."""
+    def write_only(self, tokens: torch.Tensor) -> dict:
+        """`cache.update` kwargs that write K/V of packed tokens `tokens` into their slots and read nothing back."""
         empty = self.attention["write_index"][0][:0]
-        kwargs = {
+        return {
             "cu_seq_lens_k": {kind: empty for kind in self.k_lens},
             "max_length_k": {kind: 0 for kind in self.k_lens},
-            "read_index": [empty for _ in self.groups],  # write only: nothing is read back
+            "read_index": [empty for _ in self.groups],
             "write_index": [w.index_select(0, tokens) for w in self.attention["write_index"]],
         }
-        cache.update(key, value, layer_idx, kwargs=kwargs)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -360,9 +355,10 @@ def _fill_skipped(model, batch, cache, first, depth, states, at, inputs):
     sub = dataclasses.replace(
         inputs, positions={k: take_tokens(v, at) for k, v in inputs.positions.items()}, position_ids=None, attention={}
     )
+    slots = batch.write_only(at)  # the same cache slots at every skipped layer
     for layer_idx in range(first, depth):
         key, value = backfill_kv(model, layer_idx, states.unsqueeze(0), sub)
-        batch.write_kv(cache, layer_idx, key, value, at)
+        cache.update(key, value, layer_idx, kwargs=dict(slots))  # update rewrites its kwargs: a copy per layer
 
 
 def _decide_prompt_ends(model, settings, decided, at_exit, last, slots, depth):

@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import LayerCalls, make_base
+from conftest import LayerCalls
 from helpers import ee_model
 from transformers import CompileConfig, ContinuousBatchingConfig, GenerationConfig
 
@@ -225,9 +225,3 @@ def test_stored_settings_apply_without_a_config(base_dirs):
     with record_paged_exits(model) as trace:
         model.generate_batch(PROMPTS, continuous_batching_config=CB, progress_bar=False)
     assert {e for *_, e in trace.records} == {0}
-
-
-def test_a_model_without_exit_heads_runs_full_depth():
-    model = make_base("llama")
-    out = model.generate_batch(PROMPTS[:1], generation_config=config(), continuous_batching_config=CB)
-    assert len(next(iter(out.values())).generated_tokens) == NEW
