@@ -65,6 +65,9 @@ class EarlyExitConfigMixin:
         low-rank residual MLP of rank `exit_adapter_rank`).
     exit_adapter_rank: rank of the adapter when `exit_head="adapter"`.
     exit_confidence_heads: whether each exit also has a learned confidence head (the `"learned"` criterion).
+    draft_vocab_size: how many token ids, most frequent first, the folder stores for exit-head drafts that score only
+        those tokens (`generate(assistant_vocab_size=n)`, n up to this; the model's `draft_token_ids` buffer); None:
+        none stored.
 
     How to decode (criterion, threshold, policy, ...) is a generation setting: it lives in `model.generation_config`
     (`generation_config.json`), where calibration writes it.
@@ -74,6 +77,7 @@ class EarlyExitConfigMixin:
     exit_head: str = "norm"
     exit_adapter_rank: int = 64
     exit_confidence_heads: bool = False
+    draft_vocab_size: int | None = None
 
     def __post_init__(self, **kwargs):
         self.exit_layers = list(self.exit_layers) if self.exit_layers is not None else []
@@ -90,6 +94,9 @@ class EarlyExitConfigMixin:
         rank = self.exit_adapter_rank
         if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
             raise ValueError(f"`exit_adapter_rank` must be a positive integer, got {rank!r}.")
+        n = self.draft_vocab_size
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.vocab_size):
+            raise ValueError(f"`draft_vocab_size` must be None or an integer in [1, {self.vocab_size}], got {n!r}.")
 
     def pop_legacy_exit_settings(self) -> dict:
         """Removes and returns the decoding defaults a first-wave config.json held (now generation settings)."""

@@ -113,8 +113,9 @@ class FamilyAdapter:
     def embed(self, model, input_ids, position_ids):
         return self.decoder(model).embed_tokens(input_ids)
 
-    def head_logits(self, model, head_input):
-        return model.lm_head(head_input)
+    def head_logits(self, model, head_input, head=None):
+        """The LM head's logits of `head_input` (or `head`'s: the LM head restricted to a draft vocabulary)."""
+        return (model.lm_head if head is None else head)(head_input)
 
     # one forward's inputs -----------------------------------------------------------------------------------------
     def layer_type(self, config, layer_idx: int) -> str:
@@ -238,8 +239,8 @@ class Gemma2Adapter(Qwen2Adapter):
 
     name = "gemma2"
 
-    def head_logits(self, model, head_input):
-        logits = model.lm_head(head_input)
+    def head_logits(self, model, head_input, head=None):
+        logits = (model.lm_head if head is None else head)(head_input)
         cap = model.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -82,6 +82,7 @@ from .lean_early_exit import is_lean, set_exit_max_layer, shed_layers
 from .paged_early_exit import check_paged_exits, is_paged, loaded_layers_config, paged_step
 from .speculative_early_exit import (
     MAX_BATCH_FIELD,
+    draft_vocab_requested,
     speculation_requested,
     speculative_generate,
     stored_draft_settings,
@@ -187,6 +188,8 @@ class EarlyExitMixin(ExitHeadsMixin):
         self._add_exit_heads(config)
         self.tokenizer = None  # set when loaded with the model; saved with it
         self.exit_max_layer = config.num_hidden_layers - 1  # the deepest resident decoder layer
+        if config.draft_vocab_size:  # filled from the checkpoint
+            self.register_buffer("draft_token_ids", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         if exit_max_layer is not None:
             shed_layers(self, exit_max_layer)
 
@@ -206,6 +209,18 @@ class EarlyExitMixin(ExitHeadsMixin):
                 self._init_weights(module)  # zero-start: a fresh head says 0.5 everywhere
         self.config.exit_confidence_heads = True
         return self.confidence_heads
+
+    def set_draft_vocab(self, token_ids) -> None:
+        """Stores `token_ids` (1-D, distinct, most frequent first; `training.frequent_tokens` counts them on the fitting
+        data) for exit-head drafts that score only the first n of them: `generate(assistant_early_exit=...,
+        assistant_vocab_size=n)`. Saved with the model (`draft_token_ids`, `config.draft_vocab_size`)."""
+        ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
+        vocab = self.config.vocab_size
+        if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab or ids.unique().numel() != ids.numel():
+            raise ValueError(f"`token_ids` must be distinct token ids in [0, {vocab}), at least one.")
+        device = self.family.final_norm(self).weight.device
+        self.register_buffer("draft_token_ids", ids.to(device))
+        self.config.draft_vocab_size = ids.numel()
 
     # loading and saving -------------------------------------------------------------------------------------------
     @classmethod
@@ -372,12 +387,14 @@ class EarlyExitMixin(ExitHeadsMixin):
         Lossless self-speculative decoding: `assistant_early_exit=e + 1` (transformers' argument: the number of layers
         that draft) drafts with the exit head after layer `e` and verifies with the layers above it, at any batch size
         (`speculative_early_exit.py`); `num_assistant_tokens`, `num_assistant_tokens_schedule` and
-        `assistant_confidence_threshold` as in transformers.
+        `assistant_confidence_threshold` as in transformers; `assistant_vocab_size=n` (ours) lets the exit head score
+        only the n most frequent tokens the model stores (`set_draft_vocab`), a far cheaper draft head.
         """
         ids = inputs if inputs is not None else kwargs.get("input_ids")
         batch_size = ids.shape[0] if isinstance(ids, torch.Tensor) and ids.ndim == 2 else None
         speculative = speculation_requested(self, generation_config, kwargs, batch_size)
         kwargs.pop(MAX_BATCH_FIELD, None)  # ours, read just now: not a generate() argument of transformers
+        vocab = draft_vocab_requested(self, generation_config, kwargs, speculative)  # ours too
         if speculative:
             if is_lean(self):
                 raise ValueError(
@@ -390,6 +407,7 @@ class EarlyExitMixin(ExitHeadsMixin):
                 generation_config=generation_config,
                 custom_generate=speculative_generate,
                 spec_streamer=kwargs.pop("streamer", None),
+                assistant_vocab_size=vocab,
                 **kwargs,
             )
         # stored draft settings the call turned off (confident exits or full depth asked): not transformers' either

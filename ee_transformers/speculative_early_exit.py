@@ -73,6 +73,8 @@ SCHEDULES = ("constant", "heuristic", "heuristic_transient")
 DRAFT_SOURCES = ("assistant_early_exit", "prompt_lookup_num_tokens")  # transformers' arguments
 # ours: stored draft settings apply up to this batch size (calibration stores where they were measured to pay)
 MAX_BATCH_FIELD = "speculative_max_batch_size"
+# ours: exit-head drafts score only the n most frequent tokens the folder stores (`model.set_draft_vocab`)
+VOCAB_FIELD = "assistant_vocab_size"
 
 
 def _requested(name, model, generation_config, kwargs):
@@ -136,6 +138,20 @@ def speculation_requested(model, generation_config, kwargs, batch_size=None) -> 
     return True
 
 
+def draft_vocab_requested(model, generation_config, kwargs, speculative: bool):
+    """Pops `assistant_vocab_size` from `kwargs` and returns it (kwargs over `generation_config` over
+    `model.generation_config`) for a speculative decode; without speculation a value given in this call is refused
+    (a stored one belongs to the stored draft settings)."""
+    value = _requested(VOCAB_FIELD, model, generation_config, kwargs)
+    given = kwargs.pop(VOCAB_FIELD, None) is not None or getattr(generation_config, VOCAB_FIELD, None) is not None
+    if not speculative and given:
+        raise ValueError(
+            f"`{VOCAB_FIELD}` sizes the exit head's draft vocabulary and needs `assistant_early_exit`; this "
+            "generate call does not decode speculatively."
+        )
+    return value
+
+
 @dataclass
 class SpeculativeSettings:
     """Resolved self-speculative settings.
@@ -144,7 +160,8 @@ class SpeculativeSettings:
     `config.exit_layers`; num_tokens: K, the most exit-head drafts per round; lookup_tokens: N, the most context drafts
     per round (0: none); ngram_size: the longest n-gram matched in the context; schedule: "constant" or "heuristic"
     (a row's budget + 2 after a round that accepted every draft, else - 1); threshold: a row stops drafting from the
-    exit head when its draft's confidence falls below it (0: never)."""
+    exit head when its draft's confidence falls below it (0: never); vocab_size: the exit head drafts from the
+    model's `vocab_size` most frequent stored tokens only (0: the full vocabulary)."""
 
     exit_layer: int | None
     exit_index: int | None
@@ -153,6 +170,7 @@ class SpeculativeSettings:
     threshold: float = 0.0
     lookup_tokens: int = 0
     ngram_size: int = 2
+    vocab_size: int = 0
 
     @property
     def mode(self) -> str:
@@ -182,6 +200,31 @@ def _resolve_exit_draft(model, value):
     return value - 1, exits.index(value - 1)
 
 
+def _resolve_draft_vocab(model, value, exit_layer) -> int:
+    """The draft vocabulary size of `assistant_vocab_size=value` (0 for None)."""
+    if value is None:
+        return 0
+    stored = model.config.draft_vocab_size or 0
+    if exit_layer is None:
+        raise ValueError(f"`{VOCAB_FIELD}` sizes the exit head's draft vocabulary and needs `assistant_early_exit`.")
+    if not _is_int(value) or not 1 <= value <= model.config.vocab_size:
+        raise ValueError(
+            f"`{VOCAB_FIELD}` must be an integer in [1, {model.config.vocab_size}] (the model's vocabulary), "
+            f"got {value!r}."
+        )
+    if value > stored:
+        raise ValueError(
+            f"`{VOCAB_FIELD}={value}` needs the {value} most frequent tokens stored in the model, which stores "
+            f"{stored} (`config.draft_vocab_size`): allowed values are 1..{stored}"
+            + (
+                " (store them with `model.set_draft_vocab(ids)`, or fit with `--draft-vocab-size`)."
+                if not stored
+                else "."
+            )
+        )
+    return int(value)
+
+
 def _refuse_unsupported(model, generation_config, mode):
     config = model.config
     if (generation_config.num_beams or 1) > 1:
@@ -205,9 +248,9 @@ def _refuse_unsupported(model, generation_config, mode):
         )
 
 
-def resolve_speculative_settings(model, generation_config) -> SpeculativeSettings:
-    """Settings from a prepared `GenerationConfig` (transformers' defaults filled in). Raises a `ValueError` naming
-    the argument, the bad value and the allowed values, or what the mode cannot do."""
+def resolve_speculative_settings(model, generation_config, vocab_size=None) -> SpeculativeSettings:
+    """Settings from a prepared `GenerationConfig` (transformers' defaults filled in) and `assistant_vocab_size`.
+    Raises a `ValueError` naming the argument, the bad value and the allowed values, or what the mode cannot do."""
     exit_layer, exit_index = _resolve_exit_draft(model, generation_config.assistant_early_exit)
     lookup = generation_config.prompt_lookup_num_tokens
     lookup = 0 if lookup is None else _positive_int(generation_config, "prompt_lookup_num_tokens")
@@ -228,6 +271,7 @@ def resolve_speculative_settings(model, generation_config) -> SpeculativeSetting
         float(threshold),
         lookup,
         ngram,
+        _resolve_draft_vocab(model, vocab_size, exit_layer),
     )  # a heuristic K never outlives the call here
     if not settings.mode:
         raise ValueError("Speculative decoding needs `assistant_early_exit` or `prompt_lookup_num_tokens`.")
@@ -485,12 +529,46 @@ def draft_step(model, exit_layer, tokens, batch, cache, i):
         return run_layers(model, h, inputs, cache, 0, exit_layer + 1).h
 
 
+def draft_vocab_head(model, n) -> nn.Linear:
+    """The LM head restricted to the model's n most frequent stored tokens (`draft_token_ids[:n]`): a linear layer
+    whose rows are copied once from the output embeddings (about n / V of the full head's cost, 4 * n * D bytes
+    resident in float32) and kept on the model until those weights change."""
+    full = model.get_output_embeddings()
+    weight = getattr(full, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.ndim != 2 or not weight.is_floating_point():
+        raise ValueError(
+            f"`{VOCAB_FIELD}` copies rows of the output embeddings, but {type(full).__name__} has no plain floating "
+            "weight (a quantized head?): draft with the full vocabulary (`assistant_vocab_size=None`)."
+        )
+    key = (n, weight.data_ptr(), weight._version, weight.dtype, weight.device)
+    cached = getattr(model, "_draft_vocab_head", None)
+    if cached is None or cached[0] != key:
+        ids = model.draft_token_ids[:n].to(weight.device)
+        head = nn.Linear(weight.shape[1], n, bias=getattr(full, "bias", None) is not None)
+        head = head.to(device=weight.device, dtype=weight.dtype).requires_grad_(False)
+        with torch.no_grad():
+            head.weight.copy_(weight[ids])
+            if head.bias is not None:
+                head.bias.copy_(full.bias[ids])
+        cached = (key, head, ids)
+        model.__dict__["_draft_vocab_head"] = cached  # a plain attribute: not a submodule, never saved
+    return cached[1]
+
+
 def draft_head(model, settings, h):
     """Exit head E on `h` `(B, D)`: its logits `(B, V)` (float32) and the learned confidence `(B,)` when the model has
-    confidence heads (else None)."""
+    confidence heads (else None). With a draft vocabulary (`settings.vocab_size`) only those tokens are scored, the
+    others get -inf (probability 0: never drafted, and q = 0 for speculative sampling)."""
     with record_function("ee::draft_head"):
         head_out = model.exit_heads[settings.exit_index](h)
-        logits = model.family.head_logits(model, head_out).float()
+        if settings.vocab_size:
+            head = draft_vocab_head(model, settings.vocab_size)
+            some = model.family.head_logits(model, head_out, head).float()  # (B, n)
+            ids = model._draft_vocab_head[2].expand(some.shape[0], -1)
+            full = model.get_output_embeddings().weight.shape[0]
+            logits = some.new_full((some.shape[0], full), float("-inf")).scatter_(1, ids, some)
+        else:
+            logits = model.family.head_logits(model, head_out).float()
         heads = getattr(model, "confidence_heads", None)
         return logits, None if heads is None else heads[settings.exit_index](head_out)
 
@@ -707,12 +785,13 @@ def speculative_generate(
     generation_config,
     synced_gpus=False,
     spec_streamer=None,
+    assistant_vocab_size=None,
     **model_kwargs,
 ):
     """The decoding loop of `generate(assistant_early_exit=... and / or prompt_lookup_num_tokens=...)` (passed as
     `custom_generate`): prefill at full depth, then rounds of draft, verify, accept, commit until every row has
     stopped."""
-    settings = resolve_speculative_settings(model, generation_config)
+    settings = resolve_speculative_settings(model, generation_config, assistant_vocab_size)
     mode = settings.mode
     if synced_gpus:
         raise ValueError(
@@ -842,6 +921,7 @@ def speculative_generate(
 
 __all__ = [
     "MAX_BATCH_FIELD",
+    "VOCAB_FIELD",
     "SCHEDULES",
     "GenerateSpeculativeOutput",
     "RaggedBatch",
@@ -850,6 +930,8 @@ __all__ = [
     "accept_sampled",
     "context_drafts",
     "draft_head",
+    "draft_vocab_head",
+    "draft_vocab_requested",
     "draft_step",
     "prefill",
     "resolve_speculative_settings",

@@ -157,7 +157,12 @@ def _decoding(model, exits, calibrated: bool) -> tuple[str, str, str]:
         )
     lossless = {
         name: getattr(model.generation_config, name, None)
-        for name in ("prompt_lookup_num_tokens", "max_matching_ngram_size", "assistant_early_exit")
+        for name in (
+            "prompt_lookup_num_tokens",
+            "max_matching_ngram_size",
+            "assistant_early_exit",
+            "assistant_vocab_size",
+        )
     }
     lossless = {k: v for k, v in lossless.items() if v is not None}
     if lossless:

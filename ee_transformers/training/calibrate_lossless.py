@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ee_transformers.speculative_early_exit import MAX_BATCH_FIELD
+from ee_transformers.speculative_early_exit import MAX_BATCH_FIELD, VOCAB_FIELD
 from ee_transformers.tools.arguments import check_fields
 from ee_transformers.tools.bench.loading import make_batches
 from ee_transformers.tools.bench.lossless import measure_rows
@@ -37,7 +37,13 @@ __all__ = [
     "lossless_candidates",
 ]
 
-STORED_FIELDS = ("prompt_lookup_num_tokens", "max_matching_ngram_size", "assistant_early_exit", "num_assistant_tokens")
+STORED_FIELDS = (
+    "prompt_lookup_num_tokens",
+    "max_matching_ngram_size",
+    "assistant_early_exit",
+    "num_assistant_tokens",
+    VOCAB_FIELD,
+)
 
 
 @dataclass
@@ -55,6 +61,14 @@ class LosslessCalibrationConfig:
         default=None, metadata={"help": "assistant_early_exit candidates (default: context drafts only)", "min": 1}
     )
     num_assistant_tokens: int = field(default=4, metadata={"help": "exit-head drafts per round", "min": 1})
+    draft_vocab_size: int = field(
+        default=8192,
+        metadata={
+            "help": "exit-head drafts score only this many of the model's stored most frequent tokens, when it "
+            "stores them (0: the full vocabulary)",
+            "min": 0,
+        },
+    )
     num_prompts: int = field(default=8, metadata={"help": "held-out prompts timed", "min": 1})
     prompt_tokens: int = field(default=64, metadata={"help": "tokens per prompt", "min": 1})
     new_tokens: int = field(default=64, metadata={"help": "greedy tokens per timed run", "min": 2})
@@ -64,8 +78,10 @@ class LosslessCalibrationConfig:
         check_fields(self)
 
 
-def lossless_candidates(config: LosslessCalibrationConfig) -> list[dict]:
-    """generate() arguments of every candidate, context drafts first."""
+def lossless_candidates(config: LosslessCalibrationConfig, stored_vocab: int = 0) -> list[dict]:
+    """generate() arguments of every candidate, context drafts first; exit-head drafts from the first
+    `config.draft_vocab_size` of the `stored_vocab` most frequent tokens the model stores (when both are > 0)."""
+    vocab = min(config.draft_vocab_size, stored_vocab)
     context = [
         dict(prompt_lookup_num_tokens=n, max_matching_ngram_size=g)
         for n, g in itertools.product(config.lookup_tokens, config.ngram_sizes)
@@ -73,6 +89,8 @@ def lossless_candidates(config: LosslessCalibrationConfig) -> list[dict]:
     exits = []
     for e in config.exits or []:
         exit_draft = dict(assistant_early_exit=e, num_assistant_tokens=config.num_assistant_tokens)
+        if vocab:
+            exit_draft[VOCAB_FIELD] = vocab
         exits += [exit_draft] + [{**c, **exit_draft} for c in context]
     return context + exits
 
@@ -87,7 +105,7 @@ def calibrate_lossless(model, plain, prompts, config: LosslessCalibrationConfig 
     "max_batch_size", "closest", "message"}.
     Raises `AssertionError` if a candidate's output differs from plain greedy (a lossless mode that is not)."""
     config = config or LosslessCalibrationConfig()
-    kwargs = lossless_candidates(config)
+    kwargs = lossless_candidates(config, model.config.draft_vocab_size or 0)
     rows = [dict(name=_name(k), who="ours", kwargs=k, batch_1_only=False) for k in kwargs]
     by_batch = {}
     with without_eos(model, plain), torch.no_grad():

@@ -127,6 +127,13 @@ def pack_token_ids(documents: list[list[int]], block_size: int, separator: int |
     return torch.tensor(stream[: n * block_size], dtype=torch.long).view(n, block_size)
 
 
+def frequent_tokens(blocks: torch.LongTensor, n: int, vocab_size: int) -> torch.LongTensor:
+    """The `n` most frequent token ids of `blocks`, most frequent first (ties: the lower id first; ids that never
+    occur come last): the draft vocabulary of `EarlyExitMixin.set_draft_vocab`."""
+    counts = torch.bincount(blocks.flatten().cpu(), minlength=vocab_size)
+    return torch.sort(counts, descending=True, stable=True).indices[:n]
+
+
 def check_block_size(block_size: int, config) -> None:
     """Raises if `block_size` exceeds the positions the model was built for."""
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2:

@@ -82,6 +82,10 @@ class FitConfig:
     merge_lora: bool = field(default=True, metadata={"help": "LoRA: merge adapters into the weights at the end"})
     confidence_steps: int = field(default=0, metadata={"help": "steps of the learned-confidence stage (0 = skip)"})
     confidence_lr: float = 1e-2
+    draft_vocab_size: int = field(
+        default=16384,
+        metadata={"help": "store the N most frequent tokens of the fitting data for cheap exit-head drafts (0 = none)"},
+    )
     progress: bool = True
 
     def __post_init__(self):
@@ -93,6 +97,7 @@ class FitConfig:
             "checkpoint_every",
             "lora_rank",
             "confidence_steps",
+            "draft_vocab_size",
         )
         for name in positive + non_negative:
             value = getattr(self, name)
@@ -479,6 +484,11 @@ def fit_exit_heads(
         result.confidence = fit_confidence_heads(result.model, train_blocks, heldout, config, accelerator)
     for p in _ee(result.model).parameters():
         p.requires_grad_(False)
+    if config.draft_vocab_size:  # `generate(assistant_vocab_size=n)` drafts from the first n of them
+        from ee_transformers.training.data import frequent_tokens
+
+        vocab = _ee(result.model).config.vocab_size
+        _ee(result.model).set_draft_vocab(frequent_tokens(train_blocks, min(config.draft_vocab_size, vocab), vocab))
     result.seconds = round(time.time() - started, 2)
     return result
 

@@ -29,8 +29,10 @@ from pathlib import Path
 
 import torch
 
+from ee_transformers.speculative_early_exit import VOCAB_FIELD
 from ee_transformers.tools.arguments import (
     ArgumentParser,
+    InputError,
     add_config_arguments,
     check_fields,
     config_from_args,
@@ -60,6 +62,14 @@ class LosslessConfig:
         metadata={"help": "assistant_early_exit values (layers that draft) for exit-head rows (default: none)"},
     )
     num_assistant_tokens: int = field(default=4, metadata={"help": "exit-head drafts per round", "min": 1})
+    vocab_sizes: list[int] | None = field(
+        default=None,
+        metadata={
+            "help": "assistant_vocab_size values of our exit-head rows, each next to the full vocabulary (needs the "
+            "folder's stored draft vocabulary, see `fit --draft-vocab-size`)",
+            "min": 1,
+        },
+    )
     threads: int = field(default=2, metadata={"help": "torch threads", "min": 1})
     seed: int = field(default=0, metadata={"help": "seed of the prompts"})
 
@@ -87,16 +97,21 @@ def lossless_rows(config: LosslessConfig) -> list[dict]:
     for e in config.exits or []:
         exit_draft = dict(assistant_early_exit=e, num_assistant_tokens=config.num_assistant_tokens)
         rows.append(dict(name=f"exit drafts @{e}", who="transformers", kwargs=exit_draft, batch_1_only=True))
-        rows.append(dict(name=f"exit drafts @{e}", who="ours", kwargs=exit_draft, batch_1_only=False))
-        both = {**config.lookup_settings()[0], **exit_draft}
-        rows.append(dict(name=f"context + exit drafts @{e}", who="ours", kwargs=both, batch_1_only=False))
+        for vocab in [None] + list(config.vocab_sizes or []):
+            ours = exit_draft if vocab is None else {**exit_draft, "assistant_vocab_size": vocab}
+            tag = "" if vocab is None else f", top-{vocab} draft vocabulary"
+            rows.append(dict(name=f"exit drafts @{e}{tag}", who="ours", kwargs=ours, batch_1_only=False))
+            both = {**config.lookup_settings()[0], **ours}
+            rows.append(dict(name=f"context + exit drafts @{e}{tag}", who="ours", kwargs=both, batch_1_only=False))
     return rows
 
 
 def _timed(model, ids, mask, generation_config, kwargs):
     config = copy.deepcopy(generation_config)
-    config.update(**kwargs)  # one config, not a config and arguments (transformers deprecates mixing them)
+    ours = {k: v for k, v in kwargs.items() if k == VOCAB_FIELD}  # not a GenerationConfig field: an argument
+    config.update(**{k: v for k, v in kwargs.items() if k not in ours})  # transformers deprecates mixing the two
     off = {k: v for k, v in only_these_drafts(kwargs).items() if v is None}  # stored draft settings not asked for
+    off.update(ours)
     start = time.perf_counter()
     with torch.no_grad():
         out = model.generate(ids, attention_mask=mask, generation_config=config, **off)
@@ -197,8 +212,14 @@ def _run(args):
     config = config_from_args(LosslessConfig, args)
     read_config(args.model, "--model")
     check_weights(args.model, "--model")
-    exit_layers = sorted({e - 1 for e in config.exits or []}) or [0]
-    ee, plain = load_models(args.model, exit_layers=exit_layers)
+    wanted = sorted({e - 1 for e in config.exits or []})
+    stored = read_config(args.model).get("exit_layers") or []
+    if stored and not set(wanted) <= set(stored):  # fitted heads belong to their layers: never re-assigned
+        raise InputError(
+            f"`--exits` must name exits of the folder's model: allowed values are {[e + 1 for e in stored]}, got "
+            f"{config.exits}."
+        )
+    ee, plain = load_models(args.model, exit_layers=None if stored else (wanted or [0]))
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     prompts = heldout_prompts(tokenizer, num_prompts=config.num_prompts, window=config.prompt_tokens, seed=config.seed)
     report = run_lossless(ee, plain, prompts, config)
