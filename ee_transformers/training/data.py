@@ -194,6 +194,7 @@ __all__ = [
     "BlockSplits",
     "check_block_size",
     "expand_paths",
+    "frequent_tokens",
     "load_blocks",
     "pack_token_ids",
     "read_texts",
