@@ -89,7 +89,9 @@ def test_final_screen_times_the_lossless_setting_and_transformers_prompt_lookup(
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines if line.startswith("| ")]
     ours = [r for r in rows if r[0].startswith("lossless: context drafts")]
     theirs = [r for r in rows if r[0] == "transformers' prompt lookup"]
+    layer_skip = [r for r in rows if r[0] == "transformers' assistant_early_exit"]
     assert [r[1] for r in ours] == ["1", "2"] and [r[1] for r in theirs] == ["1"]  # transformers refuses batch 2
-    assert all(r[3:5] == ["1.000", "1.000"] and "x (sum " in r[2] for r in ours + theirs)
+    assert [r[1] for r in layer_skip] == ["1"] and "assistant_early_exit=" in layer_skip[0][-1]
+    assert all(r[3:5] == ["1.000", "1.000"] and "x (sum " in r[2] for r in ours + theirs + layer_skip)
     stored = "stored" if report["chosen"] else "not stored"
     assert all(f"({stored}" in r[0] for r in ours) and "prompt_lookup_num_tokens=2" in ours[0][-1]

@@ -475,8 +475,7 @@ def _batch_rows(screen, model, reference, report, closest, b, config):
             f"exits {closest['check_layers']} at thresholds {[round(t, 4) for t in closest['thresholds']]}: "
             "what calibration measured and turned down; pass it to `generate()` to use it anyway",
         )
-    exits = list(model.config.exit_layers)
-    draft = exits[len(exits) // 2]
+    draft = _draft_exit(model)
     spec = {"assistant_early_exit": draft + 1, "num_assistant_tokens": 4}
     measured = bench.compare(model, plain, prompts, spec, config=config, batch_size=b, name="self-speculative")
     screen.row(
@@ -489,10 +488,16 @@ def _batch_rows(screen, model, reference, report, closest, b, config):
     )
 
 
+def _draft_exit(model) -> int:
+    """The exit the final screen's self-speculative rows draft from: the middle one."""
+    exits = list(model.config.exit_layers)
+    return exits[len(exits) // 2]
+
+
 def _lossless_rows(model, plain, prompts, lossless, batch_sizes, new_tokens, weights, row, reference):
-    """Adds (through `row`) the lossless rows: transformers' prompt lookup (batch 1; it refuses more) and ours with
-    the setting lossless calibration stored (or came closest with), timed on the final screen's prompts, not
-    calibration's."""
+    """Adds (through `row`) the lossless rows: transformers' prompt lookup and `assistant_early_exit` (batch 1; they
+    refuse more) and ours with the setting lossless calibration stored (or came closest with), timed on the final
+    screen's prompts, not calibration's."""
     from ee_transformers.tools import bench
     from ee_transformers.tools.bench.lossless import measure_rows
     from ee_transformers.tools.bench.timing import greedy_generation_config, without_eos
@@ -500,17 +505,19 @@ def _lossless_rows(model, plain, prompts, lossless, batch_sizes, new_tokens, wei
     setting = lossless["chosen"] or lossless["closest"]["kwargs"]
     shown = ", ".join(f"{k}={v}" for k, v in setting.items())
     tuned = dict(prompt_lookup_num_tokens=4, max_matching_ngram_size=3)  # its best setting on SmolLM2 (BENCHMARKS 5)
+    layer_skip = dict(assistant_early_exit=_draft_exit(model) + 1, num_assistant_tokens=4)  # its LayerSkip mode
     with without_eos(model, plain), torch.no_grad():
         config = greedy_generation_config(plain, new_tokens, clear_exit_settings=True)
         for b in batch_sizes:
             rows = [dict(name="ours", who="ours", kwargs=setting)]
             if b == 1:
                 rows.append(dict(name="transformers", who="transformers", kwargs=tuned))
+                rows.append(dict(name="transformers-exit", who="transformers", kwargs=layer_skip))
             batches = bench.make_batches(prompts, b, max(1, len(prompts) // b), device=model.device)
             q_full = _quality(plain, reference, b, {})
             for r in measure_rows(model, plain, batches, rows, config, 1, log=lambda *_: None):
                 if not r["identical"]:
-                    raise AssertionError(f"{r['who']} prompt lookup did not reproduce full depth at batch {b}.")
+                    raise AssertionError(f"{r['who']} {r['name']} did not reproduce full depth at batch {b}.")
                 limit = lossless.get("max_batch_size")
                 if not lossless["chosen"]:
                     stored = "not stored: slower than full depth at batch 1"
@@ -518,11 +525,18 @@ def _lossless_rows(model, plain, prompts, lossless, batch_sizes, new_tokens, wei
                     stored = f"stored for batch <= {limit}: at this batch generate runs full depth"
                 else:
                     stored = "stored"
-                mode, meaning = (
-                    (f"lossless: context drafts ({stored})", f"`{shown}`: the same text as full depth")
-                    if r["who"] == "ours"
-                    else ("transformers' prompt lookup", "`prompt_lookup_num_tokens=4, max_matching_ngram_size=3`")
-                )
+                mode, meaning = {
+                    "ours": (f"lossless: context drafts ({stored})", f"`{shown}`: the same text as full depth"),
+                    "transformers": (
+                        "transformers' prompt lookup",
+                        "`prompt_lookup_num_tokens=4, max_matching_ngram_size=3`",
+                    ),
+                    "transformers-exit": (
+                        "transformers' assistant_early_exit",
+                        f"`assistant_early_exit={layer_skip['assistant_early_exit']}, num_assistant_tokens=4` on "
+                        "the plain model (its final norm and LM head after that layer: no exit heads)",
+                    ),
+                }[r["name"]]
                 row(mode, b, f"{r['median']:.2f}x (sum {r['speedup']:.2f}x)", q_full, weights, meaning)
 
 
