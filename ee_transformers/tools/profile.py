@@ -214,7 +214,7 @@ class ProfileConfig:
         check_fields(self)
 
 
-CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(ProfileConfig))
+_CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(ProfileConfig))
 
 
 def _profiled_settings(model, exit_settings):
@@ -223,7 +223,7 @@ def _profiled_settings(model, exit_settings):
     if unknown:
         raise ValueError(
             f"Unknown exit setting(s) {unknown}: allowed names are {list(EXIT_FIELDS)} (and the profile's settings "
-            f"{list(CONFIG_FIELDS)})."
+            f"{list(_CONFIG_FIELDS)})."
         )
     if is_lean(model):
         raise ValueError(
@@ -296,7 +296,7 @@ def profile_exits(model, tokenizer, texts, config: ProfileConfig | None = None, 
     `exit_profile.png` to `out_dir` (default: the folder the model was loaded from, when it is a local folder) unless
     `write=False`. The model must hold every layer (a lean model cannot tell what its shed layers would decide).
     """
-    overrides = {name: kwargs.pop(name) for name in CONFIG_FIELDS if name in kwargs}
+    overrides = {name: kwargs.pop(name) for name in _CONFIG_FIELDS if name in kwargs}
     config = dataclasses.replace(config or ProfileConfig(), **overrides)
     settings = _profiled_settings(model, kwargs)
     texts = [texts] if isinstance(texts, str) else texts
