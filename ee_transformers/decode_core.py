@@ -3,8 +3,9 @@ family's own layer calls (`families.py`), joins the tokens of deferred K/V at th
 entering and leaving the layers its caller checks.
 
 Its callers: `prefill` and `decode_one_token` (`generation_early_exit.py`, which also holds the exit rule on the kept
-states: `exit_at`, `first_confident_exit`), continuous batching's `paged_step`, self-speculative decoding's draft and
-verify forwards, a lean model's `deepen` and a pool's `catch_up`.
+states: `exit_at`, `first_confident_exit`), continuous batching's `paged_step`, self-speculative decoding's prefill
+(`prefill_full_depth`), draft and verify forwards, a lean model's `deepen` and a pool's `catch_up`. What the `generate`
+loops do around their steps is shared too (`decode_loop.py`).
 
 Part of the Hub runtime: imports only torch, transformers and its siblings.
 """

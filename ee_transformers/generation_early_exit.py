@@ -15,7 +15,10 @@
 
 The layer loop itself is `decode_core.run_layers`, the one every mode runs; the exit rule is `exit_at` (one checked
 exit) and `first_confident_exit` (over states already computed at the checked exits), which continuous batching, the
-pool's profiles and `ee-transformers profile` use too.
+pool's profiles and `ee-transformers profile` use too. Around the steps, `early_exit_generate` is the shared
+`generate`-loop skeleton (`decode_loop.DecodeLoop`: EOS / pad handling, logits processors, the draw, scores, the
+streamer, the output) plus what only this mode keeps: each step's exit layers and a lean model's quality guard
+(`_ExitTrace`).
 
 Part of the Hub runtime: imports only torch, transformers and its siblings.
 """
@@ -30,6 +33,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .cache_early_exit import EarlyExitCache, RowSubsetCache
 from .decode_core import run_layers
+from .decode_loop import DecodeLoop, require_cache
 from .lean_early_exit import (
     LEAN_FIELDS,
     BreachGuard,
@@ -297,6 +301,22 @@ def resolve_exit_settings(config, values: dict) -> ExitSettings | None:
     criterion.validate(config)
 
     check_layers = list(values.get("exit_check_layers") or exit_layers)
+    thresholds = _resolve_thresholds(criterion, threshold, patience, check_layers)
+    breach_limit, breach_window = resolve_guard(values)
+    return ExitSettings(
+        criterion=criterion,
+        thresholds=thresholds,
+        policy=policy,
+        patience=patience,
+        kv=kv,
+        breach_limit=breach_limit,
+        breach_window=breach_window,
+    )
+
+
+def _resolve_thresholds(criterion, threshold, patience, check_layers) -> dict:
+    """{checked exit layer: threshold} from `exit_threshold` (one float, or one per checked exit; the criterion's
+    default when None; inf with patience alone: only the stable-token rule can fire), each in the criterion's range."""
     if threshold is None:
         threshold = criterion.default_threshold
     if threshold is None:
@@ -318,16 +338,7 @@ def resolve_exit_settings(config, values: dict) -> ExitSettings | None:
                 f"`exit_threshold`={value!r} is outside the range of the criterion's score: allowed "
                 f"values are {low} <= exit_threshold <= {high}."
             )
-    breach_limit, breach_window = resolve_guard(values)
-    return ExitSettings(
-        criterion=criterion,
-        thresholds=dict(zip(check_layers, map(float, thresholds))),
-        policy=policy,
-        patience=patience,
-        kv=kv,
-        breach_limit=breach_limit,
-        breach_window=breach_window,
-    )
+    return dict(zip(check_layers, map(float, thresholds)))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -637,6 +648,42 @@ def _step_inputs(model, input_ids, model_kwargs, first):
     return inputs["input_ids"], inputs.get("attention_mask"), inputs.get("position_ids")
 
 
+class _ExitTrace:
+    """Where each step's tokens were decided: per step, the rows' exit layers `(B,)` and greedy exits `(B,)` (-1 /
+    False where a row had finished), and, for a lean model with its quality guard on, the deepenings it made."""
+
+    def __init__(self, model, settings):
+        self.exit_layers, self.greedy, self.deepenings = [], [], []
+        keeps = keeps_exit_states(model, settings)
+        self.guard = BreachGuard(settings.breach_limit, settings.breach_window) if keeps else None
+
+    def add(self, loop, exit_layers, greedy, unfinished, device):
+        exit_layers, greedy = exit_layers.to(device), greedy.to(device)
+        if loop.pad_mode:
+            exit_layers = exit_layers.masked_fill(unfinished == 0, -1)
+            greedy = greedy & unfinished.bool()
+        self.exit_layers.append(exit_layers)
+        self.greedy.append(greedy)
+        return greedy
+
+    def guard_step(self, model, cache, settings, greedy, unfinished, attention_mask):
+        """The lean quality guard on this step's greedy exits `(B,)` of the unfinished rows: past its limit, deeper
+        layers load."""
+        if self.guard is None or not self.guard.update(greedy[unfinished.bool()]):
+            return
+        old = loaded_depth(model) - 1
+        self.deepenings.append((len(self.exit_layers), old, deepen(model, cache, attention_mask)))
+        self.guard.reset()  # the new depth is judged on its own tokens
+        self.guard = self.guard if keeps_exit_states(model, settings) else None  # at full depth: nothing left to load
+
+    def fields(self) -> dict:
+        return dict(
+            exit_layers=torch.stack(self.exit_layers, dim=1),
+            greedy_exits=torch.stack(self.greedy, dim=1),
+            deepenings=self.deepenings,
+        )
+
+
 def early_exit_generate(
     model,
     input_ids,
@@ -649,36 +696,21 @@ def early_exit_generate(
     exit_switch=None,
     **model_kwargs,
 ):
-    """The decoding loop `generate` runs with early exit (passed as `custom_generate`): transformers' sampling loop,
-    except that each step's logits come from the head each row exited at (`early_exit_step`).
+    """The decoding loop `generate` runs with early exit (passed as `custom_generate`): transformers' sampling loop
+    (`decode_loop.DecodeLoop`), except that each step's logits come from the head each row exited at
+    (`early_exit_step`).
 
     exit_switch: a model pool's (`pool_early_exit.py`): called before every step with `(input_ids, attention_mask, exit
     layers so far, unfinished)`; when it returns `(model, cache, settings)` the loop goes on with that model."""
-    pad_token_id = generation_config._pad_token_tensor
-    has_eos_stopping_criteria = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
-    return_dict = generation_config.return_dict_in_generate
-    scores = () if return_dict and generation_config.output_scores else None
-    raw_logits = () if return_dict and generation_config.output_logits else None
-    if not model_kwargs.get("use_cache", True) or model_kwargs.get("cache") is None:
-        raise ValueError("Early-exit decoding needs a KV cache: call generate with `use_cache=True`.")
-    if pad_token_id is not None:
-        pad_token_id = pad_token_id.to(input_ids.device)
-
-    batch_size = input_ids.shape[0]
-    unfinished = torch.ones(batch_size, dtype=torch.long, device=input_ids.device)
+    require_cache(model_kwargs, "Early-exit decoding")
     cache = model_kwargs["cache"] = EarlyExitCache.from_cache(model_kwargs["cache"])
-    step_exit_layers, step_greedy, deepenings = [], [], []
-    guard = (
-        BreachGuard(exit_settings.breach_limit, exit_settings.breach_window)
-        if keeps_exit_states(model, exit_settings)
-        else None
-    )
-    if exit_streamer is not None:  # generate streams the prompt first; it left the streamer to this loop
-        exit_streamer.put(input_ids.cpu())
+    trace = _ExitTrace(model, exit_settings)
+    loop = DecodeLoop(input_ids, logits_processor, stopping_criteria, generation_config, exit_streamer)
+    unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
     first = True
     while model._has_unfinished_sequences(not bool(unfinished.max()), synced_gpus, device=input_ids.device):
         if exit_switch is not None:
-            switch = exit_switch(input_ids, model_kwargs.get("attention_mask"), step_exit_layers, unfinished)
+            switch = exit_switch(input_ids, model_kwargs.get("attention_mask"), trace.exit_layers, unfinished)
             if switch is not None:  # the new model's cache may lack more than the last token: its step prefills them
                 model, cache, exit_settings = switch
                 model_kwargs["cache"], first = cache, True
@@ -688,49 +720,13 @@ def early_exit_generate(
         )
         first = False
         model_kwargs = model._update_model_kwargs_for_generation({"cache": cache}, model_kwargs)
-
-        next_token_logits = logits.to(copy=True, dtype=torch.float32, device=input_ids.device)  # (B, V)
-        next_token_scores = logits_processor(input_ids, next_token_logits)
-        if scores is not None:
-            scores += (next_token_scores,)
-        if raw_logits is not None:
-            raw_logits += (next_token_logits,)
-        if generation_config.do_sample:
-            probs = nn.functional.softmax(next_token_scores, dim=-1)
-            next_tokens = torch.multinomial(probs, num_samples=1).squeeze(1)
-        else:
-            next_tokens = torch.argmax(next_token_scores, dim=-1)
-        exit_layers, greedy = exit_layers.to(input_ids.device), greedy.to(input_ids.device)
-        if has_eos_stopping_criteria:
-            next_tokens = next_tokens * unfinished + pad_token_id * (1 - unfinished)
-            exit_layers = exit_layers.masked_fill(unfinished == 0, -1)
-            greedy = greedy & unfinished.bool()
-        step_exit_layers.append(exit_layers)
-        step_greedy.append(greedy)
-        if guard is not None and guard.update(greedy[unfinished.bool()]):  # lean quality guard: load deeper layers
-            old = loaded_depth(model) - 1
-            deepenings.append((len(step_exit_layers), old, deepen(model, cache, model_kwargs.get("attention_mask"))))
-            guard.reset()  # the new depth is judged on its own tokens
-            guard = guard if keeps_exit_states(model, exit_settings) else None  # at full depth: nothing left to load
-
+        next_tokens = loop.pad_finished(loop.next_tokens(input_ids, logits), unfinished)  # (B,)
+        greedy = trace.add(loop, exit_layers, greedy, unfinished, input_ids.device)
+        trace.guard_step(model, cache, exit_settings, greedy, unfinished, model_kwargs.get("attention_mask"))
         input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
-        if exit_streamer is not None:
-            exit_streamer.put(next_tokens.cpu())
-        unfinished = unfinished & ~stopping_criteria(input_ids, scores)
-
-    if exit_streamer is not None:
-        exit_streamer.end()
-    if not return_dict:
-        return input_ids
-    return GenerateEarlyExitOutput(
-        sequences=input_ids,
-        scores=scores,
-        logits=raw_logits,
-        cache=cache,
-        exit_layers=torch.stack(step_exit_layers, dim=1),
-        greedy_exits=torch.stack(step_greedy, dim=1),
-        deepenings=deepenings,
-    )
+        loop.stream(next_tokens)
+        unfinished = loop.still_unfinished(input_ids, unfinished)
+    return loop.finish(input_ids, GenerateEarlyExitOutput, cache=cache, **trace.fields())
 
 
 # ---------------------------------------------------------------------------------------------------------------------

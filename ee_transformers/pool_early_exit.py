@@ -5,14 +5,14 @@ Early exits are complementary across models: a token that does not exit early on
 model at a time and, every `pool_interval` tokens, moves the batch to the model whose exits on this request predict
 the lowest cost per token. Read top to bottom:
 
-    TokenCosts                   what a token costs on one model at each exit layer, in a unit common to the pool:
-                                 parameters read (analytic, the default) or milliseconds (a `measure_costs` table)
-    catch_up / profile_exits     an inactive model's cache brought up to date by ONE full-depth forward over the
-                                 positions it missed; the states it leaves at every checked exit, scored by that
-                                 model's own criterion, give the exit each of those tokens would have taken there
-    EarlyExitPool.generate       the request: the first model's `generate` runs the one early-exit decoding loop,
-    _Request                     which asks the pool before every step which model (and cache) decides it; at an
-                                 interval boundary: profiles -> predicted costs -> maybe another model
+    TokenCosts                     what a token costs on one model at each exit layer, in a unit common to the pool:
+                                   parameters read (analytic, the default) or milliseconds (a `measure_costs` table)
+    catch_up / pool_profile_exits  an inactive model's cache brought up to date by ONE full-depth forward over the
+                                   positions it missed; the states it leaves at every checked exit, scored by that
+                                   model's own criterion, give the exit each of those tokens would have taken there
+    EarlyExitPool.generate         the request: the first model's `generate` runs the one early-exit decoding loop,
+    _Request                       which asks the pool before every step which model (and cache) decides it; at an
+                                   interval boundary: profiles -> predicted costs -> maybe another model
 
 Design, and what it guarantees:
 
@@ -45,6 +45,7 @@ package installed (`ee_transformers.EarlyExitPool`). It imports only torch, tran
 """
 
 import dataclasses
+import warnings
 from collections import Counter
 from dataclasses import dataclass
 
@@ -182,7 +183,7 @@ def catch_up(model, input_ids, attention_mask, position_ids, cache, layers) -> d
     return {j: (h_out[:, -q:], h_in[:, -q:]) for j, (h_out, h_in) in states.items()}
 
 
-def profile_exits(model, settings, at_exit, shape, running=None) -> torch.LongTensor:
+def pool_profile_exits(model, settings, at_exit, shape, running=None) -> torch.LongTensor:
     """The exit layer `(B, q)` each position's token would take on `model` under `settings`, from the states of
     `catch_up`: the first checked exit whose criterion holds, else full depth (decoding's own exit rule,
     `first_confident_exit`, patience included). Decided per token (row policy); with the batch policy a position takes
@@ -312,28 +313,8 @@ class EarlyExitPool:
         With `return_dict_in_generate=True` returns a `GenerateEarlyExitPoolOutput` (`sequences`, `exit_layers`,
         `model_indices`, `switches`, `profiles`, `caught_up`), else the sequences.
         """
-        _check_positive_int("pool_interval", pool_interval, "tokens between switching decisions")
-        _check_positive_int("pool_profile_every", pool_profile_every, "profile inactive models every k-th boundary")
-        if pool_costs is not None and (
-            not isinstance(pool_costs, (list, tuple))
-            or len(pool_costs) != len(self)
-            or not all(set(MEASURED_PIECES) <= set(t.get("ms", ())) for t in pool_costs)
-        ):
-            raise ValueError(
-                f"`pool_costs` must be None or a list of {len(self)} `measure_costs` tables (dicts whose "
-                f"'ms' holds at least {list(MEASURED_PIECES)}), one per model."
-            )
-        for name in ("cache", "past_key_values"):
-            if kwargs.get(name) is not None:
-                raise ValueError(f"`{name}` cannot be passed to the pool: every model keeps its own cache.")
-
-        # exit settings: the call's (kwargs over `generation_config`) over each model's own stored ones
-        values = {name: kwargs.pop(name) for name in EXIT_ARGUMENTS if name in kwargs}
-        settings = []
-        for model in self.models:
-            resolved = resolve_exit_settings(model.config, merged_exit_values(model, generation_config, dict(values)))
-            settings.append(resolved if resolved is not None else ExitSettings(ExitCriterion(), thresholds={}))
-            model._refuse_with_exits(generation_config, kwargs)  # beams, assistants, per-layer outputs, compile
+        self._check_pool_arguments(pool_interval, pool_profile_every, pool_costs, kwargs)
+        settings = self._exit_settings(generation_config, kwargs)
         if kwargs.get("cache_implementation") not in (None, "dynamic"):
             raise ValueError(
                 f"`cache_implementation={kwargs['cache_implementation']!r}` is not available from the "
@@ -363,6 +344,33 @@ class EarlyExitPool:
         if not isinstance(out, GenerateEarlyExitOutput):
             return out
         return GenerateEarlyExitPoolOutput(**out, **request.summary(out.exit_layers))
+
+    def _check_pool_arguments(self, pool_interval, pool_profile_every, pool_costs, kwargs):
+        _check_positive_int("pool_interval", pool_interval, "tokens between switching decisions")
+        _check_positive_int("pool_profile_every", pool_profile_every, "profile inactive models every k-th boundary")
+        if pool_costs is not None and (
+            not isinstance(pool_costs, (list, tuple))
+            or len(pool_costs) != len(self)
+            or not all(set(MEASURED_PIECES) <= set(t.get("ms", ())) for t in pool_costs)
+        ):
+            raise ValueError(
+                f"`pool_costs` must be None or a list of {len(self)} `measure_costs` tables (dicts whose "
+                f"'ms' holds at least {list(MEASURED_PIECES)}), one per model."
+            )
+        for name in ("cache", "past_key_values"):
+            if kwargs.get(name) is not None:
+                raise ValueError(f"`{name}` cannot be passed to the pool: every model keeps its own cache.")
+
+    def _exit_settings(self, generation_config, kwargs) -> list:
+        """Each model's exit settings: the call's (kwargs, popped, over `generation_config`) over the model's own
+        stored ones; a model with none decodes at full depth. Each model refuses what decoding with exits cannot do."""
+        values = {name: kwargs.pop(name) for name in EXIT_ARGUMENTS if name in kwargs}
+        settings = []
+        for model in self.models:
+            resolved = resolve_exit_settings(model.config, merged_exit_values(model, generation_config, dict(values)))
+            settings.append(resolved if resolved is not None else ExitSettings(ExitCriterion(), thresholds={}))
+            model._refuse_with_exits(generation_config, kwargs)  # beams, assistants, per-layer outputs, compile
+        return settings
 
 
 class _Request:
@@ -440,7 +448,7 @@ class _Request:
             decided = torch.stack(steps, dim=1).to(input_ids.device) >= 0  # (B, k): what the last k positions decide
             k = decided.shape[1]  # (the prompt's positions decide no generated token: they are not scored)
             states = {j: (h_out[:, -k:], h_in[:, -k:]) for j, (h_out, h_in) in at_exit.items()}
-            exits = profile_exits(model, settings, states, decided.shape, running=decided)
+            exits = pool_profile_exits(model, settings, states, decided.shape, running=decided)
             self.profiles[i].update(exits[decided].tolist())
 
     def summary(self, exit_layers):
@@ -456,6 +464,22 @@ class _Request:
         )
 
 
+# deprecated names, kept importable for one release: {old: new}
+_RENAMED = {"profile_exits": "pool_profile_exits"}  # `profile_exits` is also `ee_transformers.profile_exits`'s
+
+
+def __getattr__(name):
+    if name in _RENAMED:
+        warnings.warn(
+            f"`ee_transformers.pool_early_exit.{name}` is deprecated: use `{_RENAMED[name]}` (this alias goes away "
+            "in the next release).",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return globals()[_RENAMED[name]]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "EarlyExitPool",
     "GenerateEarlyExitPoolOutput",
@@ -464,5 +488,5 @@ __all__ = [
     "analytic_costs",
     "catch_up",
     "measured_costs",
-    "profile_exits",
+    "pool_profile_exits",
 ]

@@ -17,8 +17,11 @@ Context drafts (prompt lookup), alone or with the exit head's, in the same engin
 `assistant_early_exit`, `num_assistant_tokens`, `num_assistant_tokens_schedule` and `assistant_confidence_threshold` are
 transformers' GenerationConfig fields, with transformers' meaning and defaults (20 drafts, "constant", 0.4); stored in
 `model.generation_config` they are the model's defaults. `EarlyExitMixin.generate` hands `speculative_generate` to
-transformers' `generate` as `custom_generate`. Below, E is the 0-based exit layer (`assistant_early_exit - 1`, one of
-`config.exit_layers`), L the number of decoder layers, k the number of drafts of a round.
+transformers' `generate` as `custom_generate`; it runs on the generate-loop skeleton every mode shares
+(`decode_loop.DecodeLoop`: EOS / pad handling, the max length, the draw, per-row score records, the streamer, the
+output), its own step being a prefill at full depth (`prefill_full_depth`), then rounds. Below, E is the 0-based
+exit layer (`assistant_early_exit - 1`, one of `config.exit_layers`), L the number of decoder layers, k the number of
+drafts of a round.
 
 One round, all rows at once (context drafts: `context_drafts` copies each row's drafts from the tokens that followed
 an earlier occurrence of its last n-gram; when no active row needs the exit head, the round feeds every row's last
@@ -51,16 +54,17 @@ slot inside the window; generations longer than the window are refused).
 Part of the Hub runtime: imports only torch, transformers and its siblings.
 """
 
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.profiler import record_function
-from transformers.generation.stopping_criteria import MaxLengthCriteria, StoppingCriteriaList
 from transformers.utils import logging
 
 from .decode_core import run_layers
+from .decode_loop import DecodeLoop, require_cache
 from .generation_early_exit import EXIT_ARGUMENTS, GenerateEarlyExitOutput
 from .lean_early_exit import _is_int, is_lean
 
@@ -506,7 +510,7 @@ def context_drafts(batch, budget, ngram_size):
 # ---------------------------------------------------------------------------------------------------------------------
 # the steps
 # ---------------------------------------------------------------------------------------------------------------------
-def prefill(model, input_ids, attention_mask, position_ids, cache):
+def prefill_full_depth(model, input_ids, attention_mask, position_ids, cache):
     """Every layer runs for every prompt position (the prompt's K/V complete in every layer); returns the final head's
     logits at the last position, `(B, V)` in float32."""
     fam = model.family
@@ -665,14 +669,6 @@ def _capacity(cache) -> int:
     return min([n for n in sizes if n > 0], default=-1)
 
 
-def _record(buffer, values, before, counts):
-    """Writes `values[r, j]` `(B, q, V)` for the committed tokens j < counts[r] at step `before[r] + j`."""
-    if buffer is None:
-        return
-    r, j = (torch.arange(values.shape[1], device=counts.device) < counts[:, None]).nonzero(as_tuple=True)
-    buffer[r, before[r] + j] = values[r, j]
-
-
 @dataclass
 class _Round:
     """What one round fed and drafted. states: `(R, k+1, D)` the live rows' residual entering verification (leaving
@@ -777,6 +773,117 @@ def _grow(budget, accepted, drafted, rows, steps):
     return torch.where(rows, grown, budget)
 
 
+def _check_call(mode, input_ids, synced_gpus, model_kwargs, streamer):
+    """What a speculative call needs beyond its settings: no synced GPUs, an empty croppable cache (returned), a
+    streamer only at batch size 1."""
+    if synced_gpus:
+        raise ValueError(
+            f"{mode} does not support `synced_gpus`: rows finish after different numbers of rounds, which peers "
+            "would have to match."
+        )
+    cache = require_cache(model_kwargs, mode)
+    if cache.get_seq_length() > 0:
+        raise ValueError(f"{mode} starts from an empty cache; pass no `cache` holding a prefix.")
+    if not cache.is_croppable:
+        raise ValueError(f"{mode} needs a cache whose rejected slots can be cropped; {type(cache).__name__} cannot be.")
+    if streamer is not None and input_ids.shape[0] > 1:
+        raise ValueError(
+            f"A streamer takes one row's tokens; with {mode} rows of a batch advance by different amounts, so "
+            "stream at batch size 1."
+        )
+    return cache
+
+
+def _first_token(model, loop, batch, cache, input_ids, model_kwargs):
+    """The prefill at full depth and every row's first token from the full model's logits."""
+    position_ids = model_kwargs.get("position_ids")
+    if position_ids is None:  # as generate builds them
+        position_ids = (batch.slots.long().cumsum(-1) - 1).masked_fill(~batch.slots, 0)
+    mask = model_kwargs.get("attention_mask")
+    logits = prefill_full_depth(model, input_ids, mask, position_ids, cache)[:, None]  # (B, 1, V)
+    scores = batch.process(loop.logits_processor, logits, 0)
+    before = batch.length - batch.prompt_length
+    counts = batch.commit(loop.choose(scores[:, 0])[:, None], torch.ones_like(batch.length), loop.row_criteria)
+    loop.record_rows(scores, logits, before, counts)
+    loop.stream(batch.last_tokens())
+
+
+def _verify_and_commit(model, loop, batch, cache, r):
+    """Verifies round `r`'s drafts, accepts them (greedy or speculative sampling) and commits each row's tokens.
+    Returns (accepted drafts `(B,)`, committed tokens `(B,)`)."""
+    k = r.drafts.shape[1]
+    logits = batch.to_all(verify(model, r.start, r.states, batch, cache))  # (B, k+1, V)
+    with record_function("ee::accept"):
+        scores = batch.process(loop.logits_processor, logits, 0)
+        if loop.sample:
+            q = r.q if r.q is not None else scores.new_zeros(batch.batch_size, 0, scores.shape[-1])
+            accepted, following = accept_sampled(scores.softmax(-1), q, r.drafts, r.valid)
+        else:
+            accepted, following = accept_greedy(scores, r.drafts, r.valid)
+        new = torch.cat([r.drafts, following[:, None]], dim=1).scatter(1, accepted[:, None], following[:, None])
+        before = batch.length - batch.prompt_length
+        counts = batch.commit(new, accepted + 1, loop.row_criteria)
+        batch.keep(cache, counts, k + 1)
+    loop.record_rows(scores, logits, before, counts)
+    if loop.streamer is not None and int(counts[0]):
+        loop.stream(new[:, : int(counts[0])])
+    return accepted, counts
+
+
+class _RoundStats:
+    """Per row `(B,)`: drafts verified, drafts kept, rounds taken part in, and the context drafts among both; and the
+    positions drafted per round. `budgets`: each row's most drafts of each source (the heuristic schedule's)."""
+
+    def __init__(self, settings, size, steps, device):
+        self.settings, self.steps, self.draft_lengths = settings, steps, []
+        self.totals = {
+            n: torch.zeros(size, dtype=torch.long, device=device) for n in ("drafted", "accepted", "rounds", "cd", "ca")
+        }
+        self.budgets = {
+            "exit": torch.full((size,), settings.num_tokens, dtype=torch.long, device=device),
+            "context": torch.full((size,), settings.lookup_tokens, dtype=torch.long, device=device),
+        }
+
+    def add(self, r, active, accepted, counts):
+        k = r.drafts.shape[1]
+        drafted = (k if r.valid is None else r.valid.sum(-1)) * active
+        kept = torch.minimum(accepted, counts) * active
+        self.totals["drafted"] += drafted
+        self.totals["accepted"] += kept
+        self.totals["rounds"] += active.long()
+        self.totals["cd"] += r.context * active
+        self.totals["ca"] += torch.minimum(kept, r.context)
+        self.draft_lengths.append(k)
+        if self.settings.schedule == "heuristic":
+            copied, budgets = active & (r.context > 0), self.budgets
+            budgets["context"] = _grow(budgets["context"], accepted, r.context, copied, self.steps)
+            budgets["exit"] = _grow(budgets["exit"], accepted, drafted, active & ~copied, self.steps)
+
+    def fields(self) -> dict:
+        t = self.totals
+        return dict(
+            draft_tokens=t["drafted"],
+            accepted_tokens=t["accepted"],
+            verify_rounds=t["rounds"],
+            draft_lengths=torch.tensor(self.draft_lengths, dtype=torch.long),
+            context_draft_tokens=t["cd"],
+            context_accepted_tokens=t["ca"],
+        )
+
+
+def _finish(model, loop, batch, cache, stats):
+    """The sequences, or the output: every token decided at full depth (exit layer -1 after a row's end)."""
+    sequences = batch.sequences()
+    if not loop.return_dict:
+        return loop.finish(sequences)
+    size, new_steps, device = batch.batch_size, sequences.shape[1] - batch.prompt_length, sequences.device
+    exit_layers = torch.full((size, new_steps), model.config.num_hidden_layers - 1, dtype=torch.long, device=device)
+    if loop.pad_mode:
+        ended = torch.arange(new_steps, device=device) >= (batch.length - batch.prompt_length)[:, None]
+        exit_layers = exit_layers.masked_fill(ended, -1)
+    return loop.finish(sequences, GenerateSpeculativeOutput, cache=cache, exit_layers=exit_layers, **stats.fields())
+
+
 def speculative_generate(
     model,
     input_ids,
@@ -789,134 +896,39 @@ def speculative_generate(
     **model_kwargs,
 ):
     """The decoding loop of `generate(assistant_early_exit=... and / or prompt_lookup_num_tokens=...)` (passed as
-    `custom_generate`): prefill at full depth, then rounds of draft, verify, accept, commit until every row has
-    stopped."""
+    `custom_generate`), on the shared skeleton (`decode_loop.DecodeLoop`): prefill at full depth, then rounds of
+    draft, verify, accept, commit until every row has stopped."""
     settings = resolve_speculative_settings(model, generation_config, assistant_vocab_size)
-    mode = settings.mode
-    if synced_gpus:
-        raise ValueError(
-            f"{mode} does not support `synced_gpus`: rows finish after different numbers of rounds, which peers "
-            "would have to match."
-        )
-    cache = model_kwargs.get("cache")
-    if not model_kwargs.get("use_cache", True) or cache is None:
-        raise ValueError(f"{mode} needs a KV cache: call generate with `use_cache=True`.")
-    if cache.get_seq_length() > 0:
-        raise ValueError(f"{mode} starts from an empty cache; pass no `cache` holding a prefix.")
-    if not cache.is_croppable:
-        raise ValueError(f"{mode} needs a cache whose rejected slots can be cropped; {type(cache).__name__} cannot be.")
-    if spec_streamer is not None and input_ids.shape[0] > 1:
-        raise ValueError(
-            f"A streamer takes one row's tokens; with {mode} rows of a batch advance by different amounts, so "
-            "stream at batch size 1."
-        )
-    sample = generation_config.do_sample
-    num_layers = model.config.num_hidden_layers
-    pad = generation_config._pad_token_tensor
-    max_length = min(
-        [generation_config.max_length] + [c.max_length for c in stopping_criteria if isinstance(c, MaxLengthCriteria)]
-    )
-    criteria = StoppingCriteriaList([c for c in stopping_criteria if not isinstance(c, MaxLengthCriteria)])
-    pad_mode = any(hasattr(c, "eos_token_id") for c in stopping_criteria)  # as plain generate decides it
-    batch = RaggedBatch(
-        input_ids, model_kwargs.get("attention_mask"), max_length, pad_mode, int(pad) if pad is not None else 0
-    )
-    size, prompt = input_ids.shape
-    device = input_ids.device
-    return_dict = generation_config.return_dict_in_generate
-    steps = max_length - prompt
-    buffers = [
-        torch.zeros(size, steps, model.config.vocab_size, device=device)  # scores, raw logits: when asked
-        if return_dict and getattr(generation_config, name)
-        else None
-        for name in ("output_scores", "output_logits")
-    ]
-
-    def choose(scores):  # (B, V) -> a token per row
-        if sample:
-            return torch.multinomial(scores.softmax(-1), 1).squeeze(1)
-        return scores.argmax(-1)
-
-    if spec_streamer is not None:  # generate streams the prompt itself only when it keeps the streamer
-        spec_streamer.put(input_ids.cpu())
-    position_ids = model_kwargs.get("position_ids")
-    if position_ids is None:  # as generate builds them
-        position_ids = (batch.slots.long().cumsum(-1) - 1).masked_fill(~batch.slots, 0)
-    logits = prefill(model, input_ids, model_kwargs.get("attention_mask"), position_ids, cache)[:, None]  # (B, 1, V)
-    scores = batch.process(logits_processor, logits, 0)
-    before = batch.length - prompt
-    counts = batch.commit(choose(scores[:, 0])[:, None], torch.ones_like(batch.length), criteria)
-    for buffer, values in zip(buffers, (scores, logits)):
-        _record(buffer, values, before, counts)
-    if spec_streamer is not None:
-        spec_streamer.put(batch.last_tokens().cpu())
-
-    stats = {
-        n: torch.zeros(size, dtype=torch.long, device=device) for n in ("drafted", "accepted", "rounds", "cd", "ca")
-    }
-    draft_lengths = []
-    budgets = {  # per row: the most drafts of each source (heuristic schedule)
-        "exit": torch.full((size,), settings.num_tokens, dtype=torch.long, device=device),
-        "context": torch.full((size,), settings.lookup_tokens, dtype=torch.long, device=device),
-    }
+    cache = _check_call(settings.mode, input_ids, synced_gpus, model_kwargs, spec_streamer)
+    vocab = model.config.vocab_size
+    loop = DecodeLoop(input_ids, logits_processor, stopping_criteria, generation_config, spec_streamer, vocab)
+    pad = 0 if loop.pad_token_id is None else int(loop.pad_token_id)
+    mask = model_kwargs.get("attention_mask")
+    batch = RaggedBatch(input_ids, mask, loop.max_length, loop.pad_mode, pad)
+    _first_token(model, loop, batch, cache, input_ids, model_kwargs)
+    stats = _RoundStats(settings, input_ids.shape[0], loop.max_length - input_ids.shape[1], input_ids.device)
     capacity = _capacity(cache)
     while bool((active := batch.active).any()):
-        r = _draft(model, settings, batch, cache, active, budgets, capacity, logits_processor, sample)
-        k = r.drafts.shape[1]
-        logits = batch.to_all(verify(model, r.start, r.states, batch, cache))  # (B, k+1, V)
-        with record_function("ee::accept"):
-            scores = batch.process(logits_processor, logits, 0)
-            if sample:
-                q = r.q if r.q is not None else scores.new_zeros(size, 0, scores.shape[-1])
-                accepted, following = accept_sampled(scores.softmax(-1), q, r.drafts, r.valid)
-            else:
-                accepted, following = accept_greedy(scores, r.drafts, r.valid)
-            new = torch.cat([r.drafts, following[:, None]], dim=1).scatter(1, accepted[:, None], following[:, None])
-            before = batch.length - prompt
-            counts = batch.commit(new, accepted + 1, criteria)
-            batch.keep(cache, counts, k + 1)
-        for buffer, values in zip(buffers, (scores, logits)):
-            _record(buffer, values, before, counts)
-        if spec_streamer is not None and int(counts[0]):
-            spec_streamer.put(new[:, : int(counts[0])].cpu())
+        r = _draft(model, settings, batch, cache, active, stats.budgets, capacity, logits_processor, loop.sample)
+        accepted, counts = _verify_and_commit(model, loop, batch, cache, r)
+        stats.add(r, active, accepted, counts)
+    return _finish(model, loop, batch, cache, stats)
 
-        drafted = (k if r.valid is None else r.valid.sum(-1)) * active
-        kept = torch.minimum(accepted, counts) * active
-        stats["drafted"] += drafted
-        stats["accepted"] += kept
-        stats["rounds"] += active.long()
-        stats["cd"] += r.context * active
-        stats["ca"] += torch.minimum(kept, r.context)
-        draft_lengths.append(k)
-        if settings.schedule == "heuristic":
-            copied = active & (r.context > 0)
-            budgets["context"] = _grow(budgets["context"], accepted, r.context, copied, steps)
-            budgets["exit"] = _grow(budgets["exit"], accepted, drafted, active & ~copied, steps)
 
-    if spec_streamer is not None:
-        spec_streamer.end()
-    sequences = batch.sequences()
-    if not return_dict:
-        return sequences
-    new_steps = sequences.shape[1] - prompt
-    exit_layers = torch.full((size, new_steps), num_layers - 1, dtype=torch.long, device=device)
-    if pad_mode:
-        ended = torch.arange(new_steps, device=device) >= (batch.length - prompt)[:, None]
-        exit_layers = exit_layers.masked_fill(ended, -1)
-    scores, raw_logits = (None if b is None else tuple(b[:, s] for s in range(new_steps)) for b in buffers)
-    return GenerateSpeculativeOutput(
-        sequences=sequences,
-        scores=scores,
-        logits=raw_logits,
-        cache=cache,
-        exit_layers=exit_layers,
-        draft_tokens=stats["drafted"],
-        accepted_tokens=stats["accepted"],
-        verify_rounds=stats["rounds"],
-        draft_lengths=torch.tensor(draft_lengths, dtype=torch.long),
-        context_draft_tokens=stats["cd"],
-        context_accepted_tokens=stats["ca"],
-    )
+# deprecated names, kept importable for one release: {old: new}
+_RENAMED = {"prefill": "prefill_full_depth"}  # `prefill` is also confident exits' (`generation_early_exit.prefill`)
+
+
+def __getattr__(name):
+    if name in _RENAMED:
+        warnings.warn(
+            f"`ee_transformers.speculative_early_exit.{name}` is deprecated: use `{_RENAMED[name]}` (this alias goes "
+            "away in the next release).",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return globals()[_RENAMED[name]]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [
@@ -933,7 +945,7 @@ __all__ = [
     "draft_vocab_head",
     "draft_vocab_requested",
     "draft_step",
-    "prefill",
+    "prefill_full_depth",
     "resolve_speculative_settings",
     "speculation_requested",
     "speculative_generate",

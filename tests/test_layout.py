@@ -21,12 +21,14 @@ The direction, lowest first:
   training, would need the demo not to run fits; training below all of tools would need the tools' libraries moved.)
 
 Function length, also read with `ast`: at most 80 lines in `tools/` and `training/`, 60 in the flat modules directly in
-`ee_transformers/`, but for the explicit allow-lists below (files another session owns; the runtime's long functions
-of today, a list that may only shrink). The old `tools/bench_*.py` modules are deprecated aliases of `tools/bench/`.
+`ee_transformers/`, but for the explicit allow-lists below (empty today; lists that may only shrink). The old
+`tools/bench_*.py` modules are deprecated aliases of `tools/bench/`, and renamed runtime functions keep their old names
+as deprecated aliases for one release (`RENAMED`); public function names of the runtime are unique.
 """
 
 import ast
 import importlib
+import inspect
 import re
 import sys
 from pathlib import Path
@@ -282,16 +284,8 @@ def test_training_scripts_are_thin_and_the_same_entry_point_as_the_subcommand(sc
 
 # --- function length ---------------------------------------------------------------------------------------------------
 TOOLS_MAX_LINES, RUNTIME_MAX_LINES = 80, 60  # tools/ and training/; the flat modules directly in ee_transformers/
-LONG_TOOLS_FUNCTIONS = {  # the only functions of tools/ and training/ allowed over TOOLS_MAX_LINES
-    "tools/profile.py:profile_exits",  # not split yet
-    "training/calibrate.py:calibrate",  # not split yet
-}
-LONG_RUNTIME_FUNCTIONS = {  # today's functions over RUNTIME_MAX_LINES: split one, then take it off (the list only shrinks)
-    "generation_early_exit.py:resolve_exit_settings",
-    "generation_early_exit.py:early_exit_generate",
-    "pool_early_exit.py:EarlyExitPool.generate",
-    "speculative_early_exit.py:speculative_generate",
-}
+LONG_TOOLS_FUNCTIONS = set()  # the only functions of tools/ and training/ allowed over TOOLS_MAX_LINES: none
+LONG_RUNTIME_FUNCTIONS = set()  # today's functions over RUNTIME_MAX_LINES: none (the list only shrinks)
 
 
 def long_functions(files, root: Path, limit: int) -> dict[str, int]:
@@ -371,3 +365,38 @@ def test_benchmark_modules_live_in_tools_bench_and_subcommands_do_not_use_the_al
         if name.startswith("bench"):
             assert module.startswith("ee_transformers.tools.bench"), (name, module)
             assert module.rpartition(".")[2] not in MOVED_BENCHMARKS, (name, module)
+
+
+# --- renamed runtime functions -----------------------------------------------------------------------------------------
+RENAMED = {  # deprecated aliases kept for one release: (module, old name) -> new name
+    ("speculative_early_exit", "prefill"): "prefill_full_depth",  # `generation_early_exit.prefill` is confident exits'
+    ("pool_early_exit", "profile_exits"): "pool_profile_exits",  # `ee_transformers.profile_exits` is the profiler's
+}
+
+
+@pytest.mark.parametrize("module, old", sorted(RENAMED))
+def test_renamed_functions_stay_importable_under_their_old_names_with_a_deprecation_warning(module, old):
+    new = RENAMED[module, old]
+    mod = importlib.import_module(f"ee_transformers.{module}")
+    assert new in mod.__all__ and old not in mod.__all__
+    with pytest.warns(DeprecationWarning, match=rf"`{new}`"):
+        alias = getattr(mod, old)
+    assert alias is getattr(mod, new)
+    with pytest.warns(DeprecationWarning):
+        exec(f"from ee_transformers.{module} import {old}", {})
+    with pytest.raises(AttributeError):
+        mod.no_such_name  # noqa: B018 (an attribute read that must raise)
+
+
+def test_public_function_names_of_the_runtime_are_unique():
+    """No two public functions of the flat modules, or one of them and a function the package exports, share a name."""
+    seen = {}
+    for name in eet.__all__:
+        if inspect.isfunction(getattr(eet, name)):
+            seen.setdefault(name, set()).add(getattr(eet, name).__module__)
+    for path in sorted(PACKAGE.glob("*.py")):
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
+                seen.setdefault(node.name, set()).add(f"ee_transformers.{path.stem}")
+    duplicates = {name: sorted(modules) for name, modules in seen.items() if len(modules) > 1}
+    assert not duplicates, duplicates

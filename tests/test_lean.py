@@ -604,6 +604,30 @@ def test_profile_histogram_sums_to_the_decided_tokens_and_writes_next_to_the_mod
     assert "exit_max_layer for 95% coverage" in capsys.readouterr().out
 
 
+def test_profile_takes_its_config_or_the_same_keywords_and_generates_its_flags_from_it(base_dirs, capsys):
+    from ee_transformers.tools.profile import ProfileConfig, main, profile_exits
+
+    model = perturb_heads(eet.from_base(base_dirs["llama"][0], exit_layers=EXITS))
+    texts = _texts([30, 7, 12])
+    common = dict(write=False, exit_criterion="max_prob", exit_threshold=0.0138)
+    config = ProfileConfig(batch_size=3, window=8, max_tokens=20, progress=False)
+    by_config = profile_exits(model, numbered_tokenizer(), texts, config, **common)
+    by_keywords = profile_exits(
+        model, numbered_tokenizer(), texts, batch_size=3, window=8, max_tokens=20, progress=False, **common
+    )
+    assert by_config == by_keywords and by_config.window == 8 and by_config.num_tokens == 24
+    over = profile_exits(model, numbered_tokenizer(), texts, config, max_tokens=None, **common)  # keywords win
+    assert over.num_tokens == 30 + 7 + 12
+    with pytest.raises(ValueError, match="`window`"):
+        ProfileConfig(window=0)
+    with pytest.raises(ValueError, match="Unknown exit setting"):
+        profile_exits(model, numbered_tokenizer(), texts, config, windows=8)
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    shown = capsys.readouterr().out
+    assert all(flag in shown for flag in ("--batch-size", "--window", "--max-tokens", "--no-progress", "--coverage"))
+
+
 # --- the memory-budget benchmark's measurements --------------------------------------------------------------------
 
 

@@ -177,7 +177,7 @@ def test_batch_policy_profile_is_the_deepest_exit_of_the_rows_still_going(base_d
     from transformers import DynamicCache
 
     from ee_transformers.generation_early_exit import merged_exit_values, resolve_exit_settings
-    from ee_transformers.pool_early_exit import catch_up, profile_exits
+    from ee_transformers.pool_early_exit import catch_up, pool_profile_exits
 
     ids, mask = padded_batch()
     model = model_with(base_dirs, seed=7)
@@ -193,10 +193,10 @@ def test_batch_policy_profile_is_the_deepest_exit_of_the_rows_still_going(base_d
     }
     with torch.no_grad():
         states = catch_up(model, ids, mask, positions(mask), DynamicCache(config=model.config), [0, 1, 2])
-        per_row = profile_exits(model, settings["row"], states, ids.shape)
+        per_row = pool_profile_exits(model, settings["row"], states, ids.shape)
         running = torch.ones_like(ids, dtype=torch.bool)
         running[1, 3:] = False  # row 1 has ended from position 3 on: it holds no position back
-        batch = profile_exits(model, settings["batch"], states, ids.shape, running=running)
+        batch = pool_profile_exits(model, settings["batch"], states, ids.shape, running=running)
     assert len(per_row.unique()) > 1, "expected a mix of exits"
     expected = per_row.masked_fill(~running, -1).max(0).values
     assert torch.equal(batch, expected.expand_as(batch))

@@ -7,6 +7,7 @@ of deciding layers, the share of tokens that needs each depth, and `recommend(co
 covers the target share of decisions (else the last layer), the `exit_max_layer` to load a lean model with.
 
     profile = eet.profile_exits(model, tokenizer, texts)       # writes exit_profile.json / .png next to the model
+    profile = eet.profile_exits(model, tokenizer, texts, ProfileConfig(window=128), write=False)  # = window=128
     lean = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True,
                                                 exit_max_layer=profile.recommend(coverage=0.95))
 
@@ -30,9 +31,19 @@ from ee_transformers.generation_early_exit import (
     resolve_exit_settings,
 )
 from ee_transformers.lean_early_exit import is_lean
+from ee_transformers.tools.arguments import add_config_arguments, check_fields, config_from_args
 from ee_transformers.tools.plotting import pyplot, pyplot_or_skip
 
-__all__ = ["ExitProfile", "PROFILE_FILE", "decide_positions", "lean_agreement", "main", "plot_profile", "profile_exits"]
+__all__ = [
+    "ExitProfile",
+    "PROFILE_FILE",
+    "ProfileConfig",
+    "decide_positions",
+    "lean_agreement",
+    "main",
+    "plot_profile",
+    "profile_exits",
+]
 
 PROFILE_FILE = "exit_profile.json"
 
@@ -185,29 +196,35 @@ def lean_agreement(model, hidden_states, decided, chunk=512) -> dict:
     return agree
 
 
-@torch.no_grad()
-def profile_exits(
-    model,
-    tokenizer,
-    texts,
-    batch_size: int = 8,
-    window: int = 256,
-    max_tokens: int | None = None,
-    out_dir=None,
-    write: bool = True,
-    progress: bool = True,
-    **exit_settings,
-) -> ExitProfile:
-    """Profiles the model's stored exit settings (or the given `exit_criterion=...`, ...) over `texts`, teacher-forced.
+@dataclass
+class ProfileConfig:
+    """Settings of one exit profile (`profile_exits`; `ee-transformers profile`'s flags are generated from it);
+    `__post_init__` raises `ValueError` naming a bad field. The exit settings profiled are the model's stored ones,
+    or those given beside the config (`exit_criterion=...`)."""
 
-    `window`: tokens per teacher-forced window; `max_tokens`: profile only the first windows that hold at least that
-    many tokens. Writes `exit_profile.json` and `exit_profile.png` to `out_dir` (default: the folder the model was
-    loaded from, when it is a local folder) unless `write=False`. The model must hold every layer (a lean model
-    cannot tell what its shed layers would decide).
-    """
+    batch_size: int = field(default=8, metadata={"help": "teacher-forced windows per forward", "min": 1})
+    window: int = field(default=256, metadata={"help": "tokens per teacher-forced window", "min": 1})
+    max_tokens: int | None = field(
+        default=None,
+        metadata={"help": "profile the first windows that hold at least this many tokens (default: all)", "min": 1},
+    )
+    progress: bool = field(default=True, metadata={"help": "show a progress bar over the batches"})
+
+    def __post_init__(self):
+        check_fields(self)
+
+
+_CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(ProfileConfig))
+
+
+def _profiled_settings(model, exit_settings):
+    """The exit settings to profile, decided per token (row policy): `exit_settings` over the model's stored ones."""
     unknown = sorted(set(exit_settings) - set(EXIT_FIELDS))
     if unknown:
-        raise ValueError(f"Unknown exit setting(s) {unknown}: allowed names are {list(EXIT_FIELDS)}.")
+        raise ValueError(
+            f"Unknown exit setting(s) {unknown}: allowed names are {list(EXIT_FIELDS)} (and the profile's settings "
+            f"{list(_CONFIG_FIELDS)})."
+        )
     if is_lean(model):
         raise ValueError(
             f"`model` holds decoder layers 0..{model.exit_max_layer} only; profile the fully loaded model "
@@ -219,39 +236,72 @@ def profile_exits(
             "No exit settings to profile: pass `exit_criterion` and `exit_threshold`, or store them in "
             "`model.generation_config` (calibration does)."
         )
-    settings = dataclasses.replace(settings, policy="row")  # each token decides for itself
-    if isinstance(texts, str):
-        texts = [texts]
+    return dataclasses.replace(settings, policy="row")  # each token decides for itself
+
+
+def _profiled_windows(tokenizer, texts, config: ProfileConfig) -> list:
+    """The windows profiled: every one, or the first that hold at least `config.max_tokens` tokens."""
     windows, total = [], 0
-    for ids in _windows(tokenizer, texts, window):
-        if max_tokens is not None and total >= max_tokens:
+    for ids in _windows(tokenizer, texts, config.window):
+        if config.max_tokens is not None and total >= config.max_tokens:
             break
         windows.append(ids)
         total += len(ids)
     if not windows:
         raise ValueError("`texts` hold no window of at least 2 tokens to profile.")
+    return windows
+
+
+def _right_padded(rows, pad):
+    """`(n, longest)` ids and mask of token lists, right-padded: positions stay 0..len-1, pads after every token."""
+    ids = torch.full((len(rows), max(map(len, rows))), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), 1
+    return ids, mask
+
+
+@torch.no_grad()
+def _decide_windows(model, settings, windows, config: ProfileConfig, pad):
+    """Each window's positions decided, batch by batch: (tokens per deciding layer `(L,)`, {depth: positions a lean
+    model stopping there predicts as full depth does})."""
     counts = torch.zeros(model.config.num_hidden_layers, dtype=torch.long)
     agree = {}
-    device, pad = model.device, tokenizer.pad_token_id or 0
-    batches = range(0, len(windows), batch_size)
-    if progress:
+    batches = range(0, len(windows), config.batch_size)
+    if config.progress:
         from tqdm.auto import tqdm
 
         batches = tqdm(batches, desc="profiling exits", unit="batch")
     for b in batches:
-        rows = windows[b : b + batch_size]
-        length = max(map(len, rows))
-        ids = torch.full((len(rows), length), pad, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, r in enumerate(rows):  # right padding: positions stay 0..n-1, the pads come after every real token
-            ids[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), 1
-        out = model(ids.to(device), attention_mask=mask.to(device), output_hidden_states=True, logits_to_keep=1)
-        valid = mask.bool().flatten().to(device)
+        ids, mask = _right_padded(windows[b : b + config.batch_size], pad)
+        out = model(
+            ids.to(model.device), attention_mask=mask.to(model.device), output_hidden_states=True, logits_to_keep=1
+        )
+        valid = mask.bool().flatten().to(model.device)
         hidden = [h.flatten(0, 1)[valid] for h in out.hidden_states]
         decided = decide_positions(model, settings, hidden)
         counts += torch.bincount(decided.cpu(), minlength=len(counts))
         for d, n in lean_agreement(model, hidden, decided).items():
             agree[d] = agree.get(d, 0) + n
+    return counts, agree
+
+
+@torch.no_grad()
+def profile_exits(model, tokenizer, texts, config: ProfileConfig | None = None, out_dir=None, write=True, **kwargs):
+    """Profiles the model's stored exit settings (or the given `exit_criterion=...`, ...) over `texts`, teacher-forced.
+
+    config: a `ProfileConfig` (`window`: tokens per teacher-forced window; `max_tokens`: profile only the first
+    windows that hold at least that many tokens; `batch_size`; `progress`); its fields may also be given as keywords
+    (`window=128`), over `config`. The other keywords are exit settings. Writes `exit_profile.json` and
+    `exit_profile.png` to `out_dir` (default: the folder the model was loaded from, when it is a local folder) unless
+    `write=False`. The model must hold every layer (a lean model cannot tell what its shed layers would decide).
+    """
+    overrides = {name: kwargs.pop(name) for name in _CONFIG_FIELDS if name in kwargs}
+    config = dataclasses.replace(config or ProfileConfig(), **overrides)
+    settings = _profiled_settings(model, kwargs)
+    texts = [texts] if isinstance(texts, str) else texts
+    windows = _profiled_windows(tokenizer, texts, config)
+    counts, agree = _decide_windows(model, settings, windows, config, tokenizer.pad_token_id or 0)
     total = int(counts.sum())
     profile = ExitProfile(
         num_layers=model.config.num_hidden_layers,
@@ -260,7 +310,7 @@ def profile_exits(
         settings=_json_settings(settings),
         agreement={d: n / total for d, n in agree.items()},
         texts=len(texts),
-        window=window,
+        window=config.window,
     )
     if write:
         if out_dir is not None:
@@ -334,11 +384,7 @@ def main(argv=None):
     parser.add_argument("--exit-criterion", default=None, help="default: the folder's stored setting")
     parser.add_argument("--exit-threshold", type=_float_list, default=None, help="a float or one per checked exit")
     parser.add_argument("--exit-patience", type=int, default=None)
-    parser.add_argument("--window", type=int, default=256, help="tokens per teacher-forced window")
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument(
-        "--max-tokens", type=int, default=None, help="profile the first windows that hold at least this many tokens"
-    )
+    add_config_arguments(parser, ProfileConfig)
     parser.add_argument("--coverage", type=float, default=0.95, help="target share for the recommendation")
     parser.add_argument("--out", default=None, help="where to write exit_profile.json/.png (default: the folder)")
     args = parser.parse_args(argv)
@@ -353,20 +399,12 @@ def main(argv=None):
         if v is not None
     }
     try:
+        config = config_from_args(ProfileConfig, args)
         model = from_base(args.folder, exit_layers=exit_layers).eval()
         if model.tokenizer is None:
             raise ValueError(f"`folder` {args.folder!r} holds no tokenizer.")
         texts = [Path(p).read_text(encoding="utf-8", errors="replace") for p in args.data]
-        profile = profile_exits(
-            model,
-            model.tokenizer,
-            texts,
-            batch_size=args.batch_size,
-            window=args.window,
-            max_tokens=args.max_tokens,
-            out_dir=args.out or args.folder,
-            **overrides,
-        )
+        profile = profile_exits(model, model.tokenizer, texts, config, out_dir=args.out or args.folder, **overrides)
         recommended = profile.recommend(args.coverage)
     except ValueError as error:
         parser.exit(2, f"ee-transformers profile: error: {error}\n")

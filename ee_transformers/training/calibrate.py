@@ -602,98 +602,24 @@ def calibrate(model, data, config: CalibrationConfig | None = None, tokenizer=No
     (up to `verify_rounds` times), and exits stay off if it never passes.
     Returns the report (see `calibration.json`); `apply_calibration(model, report)` stores the choice.
     """
-    config = config or CalibrationConfig()
-    if not isinstance(config, CalibrationConfig):
-        raise ValueError(f"`config` must be a CalibrationConfig, got {type(config).__name__}.")
-    if config.criterion == "learned" and getattr(model, "confidence_heads", None) is None:
-        raise ValueError("`criterion='learned'` needs confidence heads: fit them with `--confidence-steps N`.")
-    exit_layers = list(model.config.exit_layers)
-    if not exit_layers:
-        raise ValueError("The model has no exit heads to calibrate (`config.exit_layers` is empty).")
-    positions = getattr(model.config, "max_position_embeddings", None)
-    if isinstance(data, torch.Tensor):
-        config = config.for_model(positions, block_size=int(data.shape[1]) if data.ndim == 2 else None)
-    else:
-        config = config.for_model(positions)
-    blocks = _as_blocks(data, tokenizer, config.block_size)[: config.max_blocks]
-    if blocks.shape[0] < 2:
-        raise ValueError(
-            f"Calibration needs at least 2 held-out blocks (one to choose on, one to report on), got "
-            f"{blocks.shape[0]}; give more text or a smaller block size."
-        )
-    criterion, target_agreement, policy = config.criterion, config.target_agreement, config.policy
-    patience, kv, decode_batch_size = config.patience, config.kv, config.decode_batch_size
+    config, blocks = _checked_blocks(model, data, config, tokenizer)
+    exit_layers, num_layers = list(model.config.exit_layers), model.config.num_hidden_layers
     order = torch.randperm(blocks.shape[0], generator=torch.Generator().manual_seed(config.seed))
     half = blocks.shape[0] // 2
     split_a, split_b = blocks[order[:half]], blocks[order[half:]]
-    num_layers = model.config.num_hidden_layers
     if costs is None:
-        costs = measure_costs(model, criterion, batch_size=decode_batch_size)
+        costs = measure_costs(model, config.criterion, batch_size=config.decode_batch_size)
     costs = check_costs(costs)
-    group = decode_batch_size if policy == "batch" else 1
+    group = config.decode_batch_size if config.policy == "batch" else 1
     bar = "calibrate: exit scores, split {}" if config.progress else None
-    data_a = collect_exit_scores(model, split_a, criterion, config.batch_size, progress=bar and bar.format("A"))
-    data_b = collect_exit_scores(model, split_b, criterion, config.batch_size, progress=bar and bar.format("B"))
-    per_exit_b = [
-        round(float((data_b["argmax"][:, i] == data_b["final"]).double().mean()), 4) for i in range(len(exit_layers))
-    ]
-    report = {
-        "criterion": criterion,
-        "policy": policy,
-        "patience": patience,
-        "kv": kv,
-        "target_agreement": target_agreement,
-        "decode_batch_size": decode_batch_size,
-        "exit_layers": exit_layers,
-        "num_hidden_layers": num_layers,
-        "costs": costs,
-        "config": dataclasses.asdict(config),
-        "positions": {"A": int(data_a["final"].numel()), "B": int(data_b["final"].numel())},
-        "per_exit_agreement_B": per_exit_b,
-        "chosen": None,
-        "selection_A": None,
-        "heldout_B": None,
-        "on_policy_B": None,
-        "verification": [],
-    }
+    data_a = collect_exit_scores(model, split_a, config.criterion, config.batch_size, progress=bar and bar.format("A"))
+    data_b = collect_exit_scores(model, split_b, config.criterion, config.batch_size, progress=bar and bar.format("B"))
+    report = _new_report(config, exit_layers, num_layers, costs, data_a, data_b)
     verify = config.verify_prompts
     prompts = split_b[:verify, : config.verify_prompt_length] if verify else None
-    search_target = target_agreement
+    search_target = config.target_agreement
     if config.guarantee is not None:  # Learn then Test: certified on split A, thresholds from split B's scores
-        found = guaranteed_policy(
-            data_a,
-            data_b,
-            exit_layers,
-            num_layers,
-            costs,
-            criterion,
-            config.guarantee,
-            config.confidence,
-            patience,
-            group,
-        )
-        best = found["best"]
-        report["guarantee"] = {
-            "epsilon": config.guarantee,
-            "delta": config.confidence,
-            "positions": found["positions"],
-            "tested_exit_sets": found["tested_sets"],
-            "certified": len(found["candidates"]),
-            "assumption": "held-out positions exchangeable with the text decoded later (same kind of text, many "
-            "documents); the rate is per token, teacher-forced",
-        }
-        report["candidates"] = [_candidate(c, exit_layers) for c in found["candidates"]]
-        if best is not None and prompts is not None:  # on-policy agreement is reported, not used to choose
-            checked = on_policy_agreement(
-                model,
-                prompts,
-                exit_arguments(
-                    criterion, [exit_layers[i] for i in best["check"]], best["thresholds"], policy, patience, kv
-                ),
-                config.verify_new_tokens,
-                decode_batch_size,
-            )
-            report["on_policy_B"] = checked
+        found, best = _search_guaranteed(model, report, data_a, data_b, exit_layers, num_layers, costs, config, prompts)
     else:
         found, best = _search_verified(model, report, data_a, exit_layers, num_layers, costs, config, prompts, group)
         search_target = report.pop("_search_target")
@@ -714,33 +640,128 @@ def calibrate(model, data, config: CalibrationConfig | None = None, tokenizer=No
                 config,
                 group,
             )
-    elif report["verification"] and (best is None or best["speedup"] >= 1.0):
-        last = report["verification"][-1]
-        report["message"] = (
-            f"exits left off: really decoding held-out prompts, the best policy agreed with full "
-            f"depth on only {last['agreement']:.3f} of tokens (target {target_agreement})"
-        )
-    elif best is not None:
-        report["message"] = (
-            f"exits left off: the best policy reaching the quality target "
-            f"(exits {[exit_layers[i] for i in best['check']]}) predicts only {best['speedup']:.2f}x, "
-            "slower than full depth once check costs are counted"
-        )
-    elif config.guarantee is not None:
-        report["message"] = (
-            f"exits left off: no setting is certified to disagree with full depth on at most "
-            f"{config.guarantee} of tokens with confidence {1 - config.confidence:.2f} on "
-            f"{report['guarantee']['positions']} positions (more held-out text certifies more)"
-        )
     else:
-        report["message"] = f"exits left off: no exit policy reaches agreement {target_agreement} on split A"
-    if report["chosen"] is None and search_target > target_agreement:
+        report["message"] = _exits_off_message(report, best, exit_layers, config)
+    if report["chosen"] is None and search_target > config.target_agreement:
         first = report["verification"][0]
         report["message"] += (
             f" (really decoding, the first choice agreed on only {first['agreement']:.3f}, so the "
             f"teacher-forced target was raised to {search_target:.3f})"
         )
     return report
+
+
+def _checked_blocks(model, data, config, tokenizer):
+    """(the config with the model's limits filled in, the held-out blocks `(n, block_size)` used, n >= 2)."""
+    config = config or CalibrationConfig()
+    if not isinstance(config, CalibrationConfig):
+        raise ValueError(f"`config` must be a CalibrationConfig, got {type(config).__name__}.")
+    if config.criterion == "learned" and getattr(model, "confidence_heads", None) is None:
+        raise ValueError("`criterion='learned'` needs confidence heads: fit them with `--confidence-steps N`.")
+    if not list(model.config.exit_layers):
+        raise ValueError("The model has no exit heads to calibrate (`config.exit_layers` is empty).")
+    positions = getattr(model.config, "max_position_embeddings", None)
+    if isinstance(data, torch.Tensor):
+        config = config.for_model(positions, block_size=int(data.shape[1]) if data.ndim == 2 else None)
+    else:
+        config = config.for_model(positions)
+    blocks = _as_blocks(data, tokenizer, config.block_size)[: config.max_blocks]
+    if blocks.shape[0] < 2:
+        raise ValueError(
+            f"Calibration needs at least 2 held-out blocks (one to choose on, one to report on), got "
+            f"{blocks.shape[0]}; give more text or a smaller block size."
+        )
+    return config, blocks
+
+
+def _new_report(config, exit_layers, num_layers, costs, data_a, data_b) -> dict:
+    """The report before any search: the settings, the costs, the splits' sizes and each exit's agreement on B."""
+    per_exit_b = [
+        round(float((data_b["argmax"][:, i] == data_b["final"]).double().mean()), 4) for i in range(len(exit_layers))
+    ]
+    return {
+        "criterion": config.criterion,
+        "policy": config.policy,
+        "patience": config.patience,
+        "kv": config.kv,
+        "target_agreement": config.target_agreement,
+        "decode_batch_size": config.decode_batch_size,
+        "exit_layers": exit_layers,
+        "num_hidden_layers": num_layers,
+        "costs": costs,
+        "config": dataclasses.asdict(config),
+        "positions": {"A": int(data_a["final"].numel()), "B": int(data_b["final"].numel())},
+        "per_exit_agreement_B": per_exit_b,
+        "chosen": None,
+        "selection_A": None,
+        "heldout_B": None,
+        "on_policy_B": None,
+        "verification": [],
+    }
+
+
+def _search_guaranteed(model, report, data_a, data_b, exit_layers, num_layers, costs, config, prompts):
+    """Learn then Test: settings certified on split A, thresholds from split B's scores; the best one's on-policy
+    agreement is reported (not used to choose). Returns (search result, best or None)."""
+    group = config.decode_batch_size if config.policy == "batch" else 1
+    found = guaranteed_policy(
+        data_a,
+        data_b,
+        exit_layers,
+        num_layers,
+        costs,
+        config.criterion,
+        config.guarantee,
+        config.confidence,
+        config.patience,
+        group,
+    )
+    best = found["best"]
+    report["guarantee"] = {
+        "epsilon": config.guarantee,
+        "delta": config.confidence,
+        "positions": found["positions"],
+        "tested_exit_sets": found["tested_sets"],
+        "certified": len(found["candidates"]),
+        "assumption": "held-out positions exchangeable with the text decoded later (same kind of text, many "
+        "documents); the rate is per token, teacher-forced",
+    }
+    report["candidates"] = [_candidate(c, exit_layers) for c in found["candidates"]]
+    if best is not None and prompts is not None:
+        check_layers = [exit_layers[i] for i in best["check"]]
+        report["on_policy_B"] = on_policy_agreement(
+            model,
+            prompts,
+            exit_arguments(
+                config.criterion, check_layers, best["thresholds"], config.policy, config.patience, config.kv
+            ),
+            config.verify_new_tokens,
+            config.decode_batch_size,
+        )
+    return found, best
+
+
+def _exits_off_message(report, best, exit_layers, config) -> str:
+    """Why exits stay off when no setting was chosen: verification missed, too slow, none certified or none found."""
+    if report["verification"] and (best is None or best["speedup"] >= 1.0):
+        last = report["verification"][-1]
+        return (
+            f"exits left off: really decoding held-out prompts, the best policy agreed with full "
+            f"depth on only {last['agreement']:.3f} of tokens (target {config.target_agreement})"
+        )
+    if best is not None:
+        return (
+            f"exits left off: the best policy reaching the quality target "
+            f"(exits {[exit_layers[i] for i in best['check']]}) predicts only {best['speedup']:.2f}x, "
+            "slower than full depth once check costs are counted"
+        )
+    if config.guarantee is not None:
+        return (
+            f"exits left off: no setting is certified to disagree with full depth on at most "
+            f"{config.guarantee} of tokens with confidence {1 - config.confidence:.2f} on "
+            f"{report['guarantee']['positions']} positions (more held-out text certifies more)"
+        )
+    return f"exits left off: no exit policy reaches agreement {config.target_agreement} on split A"
 
 
 def _candidate(c, exit_layers):

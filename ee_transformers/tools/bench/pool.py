@@ -268,12 +268,12 @@ class CatchUpTimer:
     def __enter__(self):
         from ee_transformers import pool_early_exit
 
-        self.module, self.saved = pool_early_exit, (pool_early_exit.catch_up, pool_early_exit.profile_exits)
-        pool_early_exit.catch_up, pool_early_exit.profile_exits = (self._timed(fn) for fn in self.saved)
+        self.module, self.saved = pool_early_exit, (pool_early_exit.catch_up, pool_early_exit.pool_profile_exits)
+        pool_early_exit.catch_up, pool_early_exit.pool_profile_exits = (self._timed(fn) for fn in self.saved)
         return self
 
     def __exit__(self, *exc):
-        self.module.catch_up, self.module.profile_exits = self.saved
+        self.module.catch_up, self.module.pool_profile_exits = self.saved
 
 
 def configurations(models, plain, pool, exit_kwargs, pool_kwargs):
