@@ -10,6 +10,7 @@ loops do around their steps is shared too (`decode_loop.py`).
 Part of the Hub runtime: imports only torch, transformers and its siblings.
 """
 
+import warnings
 from contextlib import nullcontext
 from typing import NamedTuple
 
@@ -49,6 +50,23 @@ def run_layers(model, h, inputs, cache, start, stop, keep=(), join=False, mask_2
         if j in keep:
             states[j] = (h, h_in)
     return LayerRun(h, inputs, states)
+
+
+def deprecated_aliases(module: str, namespace: dict, renamed: dict):
+    """A module `__getattr__` that serves each old name of `renamed` ({old: new}) as `namespace[new]` with a
+    `DeprecationWarning` (for one release)."""
+
+    def __getattr__(name):
+        if name in renamed:
+            warnings.warn(
+                f"`{module}.{name}` is deprecated: use `{renamed[name]}` (this alias goes away in the next release).",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            return namespace[renamed[name]]
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+
+    return __getattr__
 
 
 __all__ = ["LayerRun", "run_layers"]

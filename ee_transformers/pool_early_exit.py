@@ -45,7 +45,6 @@ package installed (`ee_transformers.EarlyExitPool`). It imports only torch, tran
 """
 
 import dataclasses
-import warnings
 from collections import Counter
 from dataclasses import dataclass
 
@@ -53,7 +52,7 @@ import torch
 from transformers import DynamicCache, GenerationMixin
 
 from .cache_early_exit import EarlyExitCache
-from .decode_core import run_layers
+from .decode_core import deprecated_aliases, run_layers
 from .generation_early_exit import (
     EXIT_ARGUMENTS,
     ExitCriterion,
@@ -468,16 +467,7 @@ class _Request:
 _RENAMED = {"profile_exits": "pool_profile_exits"}  # `profile_exits` is also `ee_transformers.profile_exits`'s
 
 
-def __getattr__(name):
-    if name in _RENAMED:
-        warnings.warn(
-            f"`ee_transformers.pool_early_exit.{name}` is deprecated: use `{_RENAMED[name]}` (this alias goes away "
-            "in the next release).",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return globals()[_RENAMED[name]]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = deprecated_aliases(__name__, globals(), _RENAMED)
 
 
 __all__ = [

@@ -54,7 +54,6 @@ slot inside the window; generations longer than the window are refused).
 Part of the Hub runtime: imports only torch, transformers and its siblings.
 """
 
-import warnings
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -63,7 +62,7 @@ from torch import nn
 from torch.profiler import record_function
 from transformers.utils import logging
 
-from .decode_core import run_layers
+from .decode_core import deprecated_aliases, run_layers
 from .decode_loop import DecodeLoop, require_cache
 from .generation_early_exit import EXIT_ARGUMENTS, GenerateEarlyExitOutput
 from .lean_early_exit import _is_int, is_lean
@@ -919,16 +918,7 @@ def speculative_generate(
 _RENAMED = {"prefill": "prefill_full_depth"}  # `prefill` is also confident exits' (`generation_early_exit.prefill`)
 
 
-def __getattr__(name):
-    if name in _RENAMED:
-        warnings.warn(
-            f"`ee_transformers.speculative_early_exit.{name}` is deprecated: use `{_RENAMED[name]}` (this alias goes "
-            "away in the next release).",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return globals()[_RENAMED[name]]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = deprecated_aliases(__name__, globals(), _RENAMED)
 
 
 __all__ = [
