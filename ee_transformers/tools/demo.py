@@ -477,9 +477,12 @@ def _batch_rows(screen, model, reference, report, closest, b, config):
         )
     draft = _draft_exit(model)
     spec = {"assistant_early_exit": draft + 1, "num_assistant_tokens": 4}
+    vocab = min(8192, model.config.draft_vocab_size or 0)  # the fit stored its most frequent tokens: cheap drafts
+    if vocab:
+        spec["assistant_vocab_size"] = vocab
     measured = bench.compare(model, plain, prompts, spec, config=config, batch_size=b, name="self-speculative")
     screen.row(
-        f"self-speculative (drafts from exit {draft})",
+        f"self-speculative (drafts from exit {draft}" + (f", top-{vocab} draft vocabulary)" if vocab else ")"),
         b,
         f"{measured['speedup']['median']:.2f}x",
         _quality(model, reference, b, spec),
