@@ -2,7 +2,9 @@
 
     python benchmarks/lossless_costs.py [--model ~/.cache/ee-transformers/smollm2-135m-instruct] [--threads 2]
 
-Prints, for the real model: the LM head's and one layer MLP's cost per number of rows (median of timed calls); then,
+Prints, for the real model: the LM head's, the top-8192 draft head's (`assistant_vocab_size=8192`; the folder's
+stored draft vocabulary, or the first 8192 ids when it stores none: the cost does not depend on which) and one layer
+MLP's cost per number of rows (median of timed calls); then,
 at batch 1 and 8 on held-out prompts (64 tokens, 64 new, EOS off), plain greedy's ms per step against the rounds of
 `prompt_lookup_num_tokens=N, max_matching_ngram_size=3`: rounds, the median verification forward per width, and each
 row's rounds (a batch decodes until its slowest row has its tokens).
@@ -18,8 +20,13 @@ import torch
 from transformers import AutoTokenizer
 
 import ee_transformers.speculative_early_exit as spec
+from ee_transformers.convert import read_config
 from ee_transformers.tools.bench.loading import heldout_prompts, load_models, make_batches
 from ee_transformers.tools.bench.timing import greedy_generation_config, without_eos
+
+
+def ee_folder(path):
+    return bool(read_config(path).get("exit_layers"))
 
 
 def median_ms(fn, calls=20, warmup=3):
@@ -34,13 +41,13 @@ def median_ms(fn, calls=20, warmup=3):
 
 
 @torch.no_grad()
-def piece_costs(model):
+def piece_costs(model, draft):
     head, mlp = model.lm_head, model.model.layers[3].mlp
-    print("| rows | LM head ms | layer MLP ms |\n|---|---|---|")
+    print("| rows | LM head ms | top-8192 draft head ms | layer MLP ms |\n|---|---|---|---|")
     for rows in (1, 2, 3, 4, 5, 8, 12, 16, 24, 40):
         x = torch.randn(rows, model.config.hidden_size)
         head_ms, mlp_ms = median_ms(lambda x=x: head(x)), median_ms(lambda x=x: mlp(x[None]))
-        print(f"| {rows} | {head_ms:.2f} | {mlp_ms:.2f} |")
+        print(f"| {rows} | {head_ms:.2f} | {median_ms(lambda x=x: draft(x)):.2f} | {mlp_ms:.2f} |")
 
 
 @torch.no_grad()
@@ -86,8 +93,10 @@ def main():
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    ee, plain = load_models(args.model, exit_layers=[0])
-    piece_costs(plain)
+    ee, plain = load_models(args.model, exit_layers=None if ee_folder(args.model) else [0])
+    if (ee.config.draft_vocab_size or 0) < 8192:
+        ee.set_draft_vocab(torch.arange(8192))
+    piece_costs(plain, spec.draft_vocab_head(ee, 8192))
     prompts = heldout_prompts(AutoTokenizer.from_pretrained(args.model), num_prompts=8, window=64)
     for batch_size, lookup in ((1, 2), (1, 4), (8, 2)):
         rounds(ee, plain, prompts, batch_size, lookup)

@@ -82,7 +82,7 @@ from .lean_early_exit import is_lean, set_exit_max_layer, shed_layers
 from .paged_early_exit import check_paged_exits, is_paged, loaded_layers_config, paged_step
 from .speculative_early_exit import (
     MAX_BATCH_FIELD,
-    draft_vocab_requested,
+    our_speculative_arguments,
     speculation_requested,
     speculative_generate,
     stored_draft_settings,
@@ -388,13 +388,15 @@ class EarlyExitMixin(ExitHeadsMixin):
         that draft) drafts with the exit head after layer `e` and verifies with the layers above it, at any batch size
         (`speculative_early_exit.py`); `num_assistant_tokens`, `num_assistant_tokens_schedule` and
         `assistant_confidence_threshold` as in transformers; `assistant_vocab_size=n` (ours) lets the exit head score
-        only the n most frequent tokens the model stores (`set_draft_vocab`), a far cheaper draft head.
+        only the n most frequent tokens the model stores (`set_draft_vocab`), a far cheaper draft head;
+        `speculative_verify_width=w` (ours) feeds context rounds at least w positions per row (fillers never
+        accepted), for CPUs whose kernels are slower at 2-3 rows than at 4-8.
         """
         ids = inputs if inputs is not None else kwargs.get("input_ids")
         batch_size = ids.shape[0] if isinstance(ids, torch.Tensor) and ids.ndim == 2 else None
         speculative = speculation_requested(self, generation_config, kwargs, batch_size)
         kwargs.pop(MAX_BATCH_FIELD, None)  # ours, read just now: not a generate() argument of transformers
-        vocab = draft_vocab_requested(self, generation_config, kwargs, speculative)  # ours too
+        ours = our_speculative_arguments(self, generation_config, kwargs, speculative)  # ours too
         if speculative:
             if is_lean(self):
                 raise ValueError(
@@ -407,7 +409,7 @@ class EarlyExitMixin(ExitHeadsMixin):
                 generation_config=generation_config,
                 custom_generate=speculative_generate,
                 spec_streamer=kwargs.pop("streamer", None),
-                assistant_vocab_size=vocab,
+                **ours,
                 **kwargs,
             )
         # stored draft settings the call turned off (confident exits or full depth asked): not transformers' either

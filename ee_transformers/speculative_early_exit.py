@@ -78,6 +78,9 @@ DRAFT_SOURCES = ("assistant_early_exit", "prompt_lookup_num_tokens")  # transfor
 MAX_BATCH_FIELD = "speculative_max_batch_size"
 # ours: exit-head drafts score only the n most frequent tokens the folder stores (`model.set_draft_vocab`)
 VOCAB_FIELD = "assistant_vocab_size"
+# ours: a context round feeds at least this many positions per row (fillers after the drafts, never accepted)
+WIDTH_FIELD = "speculative_verify_width"
+OUR_FIELDS = (VOCAB_FIELD, WIDTH_FIELD)  # not transformers' GenerationConfig fields: passed to the loop as arguments
 
 
 def _requested(name, model, generation_config, kwargs):
@@ -141,18 +144,20 @@ def speculation_requested(model, generation_config, kwargs, batch_size=None) -> 
     return True
 
 
-def draft_vocab_requested(model, generation_config, kwargs, speculative: bool):
-    """Pops `assistant_vocab_size` from `kwargs` and returns it (kwargs over `generation_config` over
-    `model.generation_config`) for a speculative decode; without speculation a value given in this call is refused
-    (a stored one belongs to the stored draft settings)."""
-    value = _requested(VOCAB_FIELD, model, generation_config, kwargs)
-    given = kwargs.pop(VOCAB_FIELD, None) is not None or getattr(generation_config, VOCAB_FIELD, None) is not None
-    if not speculative and given:
-        raise ValueError(
-            f"`{VOCAB_FIELD}` sizes the exit head's draft vocabulary and needs `assistant_early_exit`; this "
-            "generate call does not decode speculatively."
-        )
-    return value
+def our_speculative_arguments(model, generation_config, kwargs, speculative: bool) -> dict:
+    """Pops `OUR_FIELDS` (`assistant_vocab_size`, `speculative_verify_width`) from `kwargs` and returns them (kwargs
+    over `generation_config` over `model.generation_config`) for a speculative decode; without speculation a value
+    given in this call is refused (a stored one belongs to the stored draft settings)."""
+    values = {}
+    for name in OUR_FIELDS:
+        values[name] = _requested(name, model, generation_config, kwargs)
+        given = kwargs.pop(name, None) is not None or getattr(generation_config, name, None) is not None
+        if not speculative and given:
+            raise ValueError(
+                f"`{name}` is a setting of speculative decoding (`assistant_early_exit` or "
+                "`prompt_lookup_num_tokens`); this generate call does not decode speculatively."
+            )
+    return values
 
 
 @dataclass
@@ -164,7 +169,8 @@ class SpeculativeSettings:
     per round (0: none); ngram_size: the longest n-gram matched in the context; schedule: "constant" or "heuristic"
     (a row's budget + 2 after a round that accepted every draft, else - 1); threshold: a row stops drafting from the
     exit head when its draft's confidence falls below it (0: never); vocab_size: the exit head drafts from the
-    model's `vocab_size` most frequent stored tokens only (0: the full vocabulary)."""
+    model's `vocab_size` most frequent stored tokens only (0: the full vocabulary); verify_width: a context round
+    that verifies drafts feeds at least this many positions per row (0: as many as the drafts need)."""
 
     exit_layer: int | None
     exit_index: int | None
@@ -174,6 +180,7 @@ class SpeculativeSettings:
     lookup_tokens: int = 0
     ngram_size: int = 2
     vocab_size: int = 0
+    verify_width: int = 0
 
     @property
     def mode(self) -> str:
@@ -228,6 +235,17 @@ def _resolve_draft_vocab(model, value, exit_layer) -> int:
     return int(value)
 
 
+def _resolve_verify_width(value, lookup_tokens) -> int:
+    """The verification width of `speculative_verify_width=value` (0 for None)."""
+    if value is None:
+        return 0
+    if not _is_int(value) or value < 1:
+        raise ValueError(f"`{WIDTH_FIELD}` must be an integer >= 1 or None, got {value!r}.")
+    if not lookup_tokens:
+        raise ValueError(f"`{WIDTH_FIELD}` widens context rounds and needs `prompt_lookup_num_tokens`.")
+    return int(value)
+
+
 def _refuse_unsupported(model, generation_config, mode):
     config = model.config
     if (generation_config.num_beams or 1) > 1:
@@ -251,9 +269,10 @@ def _refuse_unsupported(model, generation_config, mode):
         )
 
 
-def resolve_speculative_settings(model, generation_config, vocab_size=None) -> SpeculativeSettings:
-    """Settings from a prepared `GenerationConfig` (transformers' defaults filled in) and `assistant_vocab_size`.
-    Raises a `ValueError` naming the argument, the bad value and the allowed values, or what the mode cannot do."""
+def resolve_speculative_settings(model, generation_config, vocab_size=None, verify_width=None) -> SpeculativeSettings:
+    """Settings from a prepared `GenerationConfig` (transformers' defaults filled in), `assistant_vocab_size` and
+    `speculative_verify_width`. Raises a `ValueError` naming the argument, the bad value and the allowed values, or
+    what the mode cannot do."""
     exit_layer, exit_index = _resolve_exit_draft(model, generation_config.assistant_early_exit)
     lookup = generation_config.prompt_lookup_num_tokens
     lookup = 0 if lookup is None else _positive_int(generation_config, "prompt_lookup_num_tokens")
@@ -275,6 +294,7 @@ def resolve_speculative_settings(model, generation_config, vocab_size=None) -> S
         lookup,
         ngram,
         _resolve_draft_vocab(model, vocab_size, exit_layer),
+        _resolve_verify_width(verify_width, lookup),
     )  # a heuristic K never outlives the call here
     if not settings.mode:
         raise ValueError("Speculative decoding needs `assistant_early_exit` or `prompt_lookup_num_tokens`.")
@@ -749,6 +769,9 @@ def _plan(settings, batch, active, budgets, capacity, cache):
     k = int(counts.max())
     if use_exit:
         k = max(k, min(int(budgets["exit"][active].max()), int(room.max())))
+    elif k and settings.verify_width > k + 1:  # fillers after the drafts, never accepted: a wider, cheaper forward
+        k = max(k, min(settings.verify_width - 1, int(room.max())))
+        context = nn.functional.pad(context, (0, max(k - context.shape[1], 0)))
     batch.retire(cache, active)
     if batch.wants_compaction(capacity, k + 1, active):
         batch.compact(cache, active)
@@ -892,12 +915,13 @@ def speculative_generate(
     synced_gpus=False,
     spec_streamer=None,
     assistant_vocab_size=None,
+    speculative_verify_width=None,
     **model_kwargs,
 ):
     """The decoding loop of `generate(assistant_early_exit=... and / or prompt_lookup_num_tokens=...)` (passed as
     `custom_generate`), on the shared skeleton (`decode_loop.DecodeLoop`): prefill at full depth, then rounds of
     draft, verify, accept, commit until every row has stopped."""
-    settings = resolve_speculative_settings(model, generation_config, assistant_vocab_size)
+    settings = resolve_speculative_settings(model, generation_config, assistant_vocab_size, speculative_verify_width)
     cache = _check_call(settings.mode, input_ids, synced_gpus, model_kwargs, spec_streamer)
     vocab = model.config.vocab_size
     loop = DecodeLoop(input_ids, logits_processor, stopping_criteria, generation_config, spec_streamer, vocab)
@@ -924,6 +948,8 @@ __getattr__ = deprecated_aliases(__name__, globals(), _RENAMED)
 __all__ = [
     "MAX_BATCH_FIELD",
     "VOCAB_FIELD",
+    "WIDTH_FIELD",
+    "OUR_FIELDS",
     "SCHEDULES",
     "GenerateSpeculativeOutput",
     "RaggedBatch",
@@ -933,7 +959,7 @@ __all__ = [
     "context_drafts",
     "draft_head",
     "draft_vocab_head",
-    "draft_vocab_requested",
+    "our_speculative_arguments",
     "draft_step",
     "prefill_full_depth",
     "resolve_speculative_settings",

@@ -17,6 +17,7 @@ SOURCES = [  # every source alone and both together
         prompt_lookup_num_tokens=4, assistant_early_exit=2, num_assistant_tokens=3, assistant_confidence_threshold=0.0
     ),
     dict(prompt_lookup_num_tokens=3, assistant_early_exit=1, num_assistant_tokens=2),  # exit drafts stop when unsure
+    dict(prompt_lookup_num_tokens=2, speculative_verify_width=6),  # wider rounds, fillers after the drafts
 ]
 
 
@@ -158,6 +159,26 @@ def test_accepted_context_drafts_save_full_steps(models, batch):
     assert rounds < new - 1 and int(out.context_accepted_tokens.sum()) > 0
 
 
+def test_a_verify_width_widens_only_the_rounds_that_verify_drafts(models):
+    model, base = models("llama")
+    ids, mask = padded_batch(batch=2)
+    new = 24
+    kwargs = dict(max_new_tokens=new, do_sample=False, prompt_lookup_num_tokens=2, return_dict_in_generate=True)
+    narrow = model.generate(ids, attention_mask=mask, **kwargs)
+    out = model.generate(ids, attention_mask=mask, speculative_verify_width=6, **kwargs)
+    assert torch.equal(out.sequences, narrow.sequences)
+    assert torch.equal(out.sequences, base.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False))
+    widths = (out.draft_lengths + 1)[: len(out.draft_lengths) // 2]  # positions fed per row; far from max_length
+    assert ((widths == 1) | (widths >= 6)).all() and (widths >= 6).any()  # a round with a draft: 6 wide, else 1
+    near_end = torch.tensor([[3, 4, 3, 4, 3]])  # "3 4" repeats: a draft every round, but 2 tokens left at most
+    out = model.generate(near_end, max_new_tokens=3, prompt_lookup_num_tokens=2, speculative_verify_width=8,
+                         return_dict_in_generate=True, do_sample=False)  # fmt: skip
+    assert int(out.draft_lengths.max()) <= 2  # fillers stop at max_length: no positions generate would never reach
+    # the fillers are never accepted: the same drafts are counted as without them
+    assert torch.equal(out.accepted_tokens, model.generate(near_end, max_new_tokens=3, prompt_lookup_num_tokens=2,
+                       return_dict_in_generate=True, do_sample=False).accepted_tokens)  # fmt: skip
+
+
 def test_without_matches_a_round_is_one_plain_step(models):
     model, base = models("llama")
     ids = torch.tensor([[3, 4, 5]])
@@ -245,6 +266,10 @@ def test_stored_prompt_lookup_is_used_by_a_plain_generate_after_reload(models, t
         (dict(prompt_lookup_num_tokens=3, exit_threshold=0.5), r"cannot be combined with `exit_threshold`"),
         (dict(prompt_lookup_num_tokens=3, assistant_early_exit=4), r"`assistant_early_exit`.*allowed values"),
         (dict(prompt_lookup_num_tokens=3, speculative_max_batch_size=0), r"`speculative_max_batch_size` must be an"),
+        (dict(prompt_lookup_num_tokens=3, speculative_verify_width=0), r"`speculative_verify_width` must be an"),
+        (dict(prompt_lookup_num_tokens=3, speculative_verify_width=2.5), r"`speculative_verify_width` must be an"),
+        (dict(assistant_early_exit=2, speculative_verify_width=4), r"`speculative_verify_width`.*needs `prompt_"),
+        (dict(speculative_verify_width=4), r"`speculative_verify_width` is a setting of speculative decoding"),
     ],
 )
 def test_bad_context_draft_arguments_raise_before_decoding(models, kwargs, match):
@@ -279,7 +304,7 @@ def test_bench_lossless_runs_side_by_side_and_reports(models):
     assert "prompt lookup N=4 G=3" in format_lossless(report)
 
 
-@pytest.mark.parametrize("value", ["4", "0:2", "4:x", "4:3:1"])
+@pytest.mark.parametrize("value", ["4", "0:2", "4:x", "4:3:0", "4:3:1:2"])
 def test_bench_lossless_refuses_bad_lookup_settings(value):
     from ee_transformers.tools.bench.lossless import LosslessConfig
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from ee_transformers.speculative_early_exit import VOCAB_FIELD
+from ee_transformers.speculative_early_exit import OUR_FIELDS, WIDTH_FIELD
 from ee_transformers.tools.arguments import (
     ArgumentParser,
     InputError,
@@ -55,7 +55,10 @@ class LosslessConfig:
     rounds: int = field(default=2, metadata={"help": "rounds of every paired comparison", "min": 1})
     lookup: list[str] = field(
         default_factory=lambda: ["10:2", "4:3", "6:3"],
-        metadata={"help": "context-draft settings N:G (prompt_lookup_num_tokens:max_matching_ngram_size)"},
+        metadata={
+            "help": "context-draft settings N:G (prompt_lookup_num_tokens:max_matching_ngram_size), or N:G:W with "
+            "speculative_verify_width W"
+        },
     )
     exits: list[int] | None = field(
         default=None,
@@ -77,23 +80,32 @@ class LosslessConfig:
         check_fields(self)
         for value in self.lookup:
             parts = value.split(":")
-            if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
-                raise ValueError(f"`lookup` takes N:G pairs of positive integers, e.g. 10:2, got {value!r}.")
+            if len(parts) not in (2, 3) or not all(p.isdigit() and int(p) > 0 for p in parts):
+                raise ValueError(
+                    f"`lookup` takes N:G pairs (or N:G:W triples) of positive integers, e.g. 10:2, got {value!r}."
+                )
 
     def lookup_settings(self) -> list[dict]:
-        return [
-            dict(prompt_lookup_num_tokens=int(n), max_matching_ngram_size=int(g))
-            for n, g in (v.split(":") for v in self.lookup)
-        ]
+        settings = []
+        for value in self.lookup:
+            n, g, *w = (int(p) for p in value.split(":"))
+            settings.append(
+                dict(prompt_lookup_num_tokens=n, max_matching_ngram_size=g, **{WIDTH_FIELD: w[0]} if w else {})
+            )
+        return settings
 
 
 def lossless_rows(config: LosslessConfig) -> list[dict]:
     """[{"name", "who" ("transformers" / "ours"), "kwargs", "batch_1_only"}] in the order they are timed."""
     rows = []
     for setting in config.lookup_settings():
-        n, g = setting["prompt_lookup_num_tokens"], setting["max_matching_ngram_size"]
-        rows.append(dict(name=f"prompt lookup N={n} G={g}", who="transformers", kwargs=setting, batch_1_only=True))
-        rows.append(dict(name=f"prompt lookup N={n} G={g}", who="ours", kwargs=setting, batch_1_only=False))
+        n, g, w = setting["prompt_lookup_num_tokens"], setting["max_matching_ngram_size"], setting.get(WIDTH_FIELD)
+        name = f"prompt lookup N={n} G={g}"
+        if w is None:  # transformers' own has no verification width
+            rows.append(dict(name=name, who="transformers", kwargs=setting, batch_1_only=True))
+        else:
+            name += f", verify width {w}"
+        rows.append(dict(name=name, who="ours", kwargs=setting, batch_1_only=False))
     for e in config.exits or []:
         exit_draft = dict(assistant_early_exit=e, num_assistant_tokens=config.num_assistant_tokens)
         rows.append(dict(name=f"exit drafts @{e}", who="transformers", kwargs=exit_draft, batch_1_only=True))
@@ -108,7 +120,7 @@ def lossless_rows(config: LosslessConfig) -> list[dict]:
 
 def _timed(model, ids, mask, generation_config, kwargs):
     config = copy.deepcopy(generation_config)
-    ours = {k: v for k, v in kwargs.items() if k == VOCAB_FIELD}  # not a GenerationConfig field: an argument
+    ours = {k: v for k, v in kwargs.items() if k in OUR_FIELDS}  # not GenerationConfig fields: arguments
     config.update(**{k: v for k, v in kwargs.items() if k not in ours})  # transformers deprecates mixing the two
     off = {k: v for k, v in only_these_drafts(kwargs).items() if v is None}  # stored draft settings not asked for
     off.update(ours)

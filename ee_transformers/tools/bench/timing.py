@@ -13,7 +13,7 @@ import torch
 
 from ee_transformers.generation_early_exit import EXIT_ARGUMENTS, ExitStats, merged_exit_values, resolve_exit_settings
 from ee_transformers.modeling_early_exit import EarlyExitMixin
-from ee_transformers.speculative_early_exit import DRAFT_SOURCES, VOCAB_FIELD
+from ee_transformers.speculative_early_exit import DRAFT_SOURCES, OUR_FIELDS
 from ee_transformers.tools.bench.config import BenchConfig, Variant
 from ee_transformers.tools.bench.forced import ForcedExits, forced_profile
 from ee_transformers.tools.bench.loading import make_batches
@@ -113,8 +113,7 @@ def only_these_drafts(kwargs) -> dict:
     explicit None, since transformers refills a passed config's unset fields from the model's stored ones."""
     if not any(name in kwargs for name in DRAFT_SOURCES):
         return dict(kwargs)
-    off = DRAFT_SOURCES + ((VOCAB_FIELD,) if kwargs.get("assistant_early_exit") is not None else ())
-    return {**dict.fromkeys(off), **kwargs}
+    return {**dict.fromkeys(DRAFT_SOURCES + OUR_FIELDS), **kwargs}
 
 
 @torch.no_grad()
