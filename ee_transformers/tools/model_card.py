@@ -162,6 +162,7 @@ def _decoding(model, exits, calibrated: bool) -> tuple[str, str, str]:
             "max_matching_ngram_size",
             "assistant_early_exit",
             "assistant_vocab_size",
+            "speculative_verify_width",
         )
     }
     lossless = {k: v for k, v in lossless.items() if v is not None}

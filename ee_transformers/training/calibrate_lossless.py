@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ee_transformers.speculative_early_exit import MAX_BATCH_FIELD, VOCAB_FIELD
+from ee_transformers.speculative_early_exit import MAX_BATCH_FIELD, VOCAB_FIELD, WIDTH_FIELD
 from ee_transformers.tools.arguments import check_fields
 from ee_transformers.tools.bench.loading import make_batches
 from ee_transformers.tools.bench.lossless import measure_rows
@@ -43,6 +43,7 @@ STORED_FIELDS = (
     "assistant_early_exit",
     "num_assistant_tokens",
     VOCAB_FIELD,
+    WIDTH_FIELD,
 )
 
 
@@ -56,6 +57,13 @@ class LosslessCalibrationConfig:
     )
     ngram_sizes: list[int] = field(
         default_factory=lambda: [2, 3], metadata={"help": "max_matching_ngram_size candidates", "min": 1}
+    )
+    verify_widths: list[int] = field(
+        default_factory=lambda: [0],
+        metadata={
+            "help": "speculative_verify_width candidates (0: none), each with every N whose rounds are narrower",
+            "min": 0,
+        },
     )
     exits: list[int] | None = field(
         default=None, metadata={"help": "assistant_early_exit candidates (default: context drafts only)", "min": 1}
@@ -83,8 +91,9 @@ def lossless_candidates(config: LosslessCalibrationConfig, stored_vocab: int = 0
     `config.draft_vocab_size` of the `stored_vocab` most frequent tokens the model stores (when both are > 0)."""
     vocab = min(config.draft_vocab_size, stored_vocab)
     context = [
-        dict(prompt_lookup_num_tokens=n, max_matching_ngram_size=g)
-        for n, g in itertools.product(config.lookup_tokens, config.ngram_sizes)
+        dict(prompt_lookup_num_tokens=n, max_matching_ngram_size=g, **({WIDTH_FIELD: w} if w else {}))
+        for n, g, w in itertools.product(config.lookup_tokens, config.ngram_sizes, config.verify_widths)
+        if not w or w > n + 1  # a width the drafts reach anyway changes nothing
     ]
     exits = []
     for e in config.exits or []:
