@@ -126,3 +126,12 @@ def test_bad_lossless_calibration_settings():
         lossless.LosslessCalibrationConfig(lookup_tokens=[0])
     with pytest.raises(ValueError, match="`batch_sizes`"):
         lossless.LosslessCalibrationConfig(batch_sizes=[])
+
+
+def test_width_candidates_only_widen_rounds_narrower_than_the_width():
+    config = lossless.LosslessCalibrationConfig(lookup_tokens=[2, 7], ngram_sizes=[3], verify_widths=[0, 8])
+    widths = [
+        (k["prompt_lookup_num_tokens"], k.get("speculative_verify_width")) for k in lossless.lossless_candidates(config)
+    ]
+    assert widths == [(2, None), (2, 8), (7, None)]  # N=7 feeds 8 positions anyway
+    assert "speculative_verify_width" in lossless.STORED_FIELDS
