@@ -14,6 +14,11 @@ Context drafts (prompt lookup), alone or with the exit head's, in the same engin
                          prompt_lookup_num_tokens=2,          # at most 2 drafts copied from the row's own text
                          max_matching_ngram_size=3)           # the n-gram matched (largest first)
 
+Two settings of ours (`OUR_FIELDS`, generate arguments or stored in `generation_config.json`): `assistant_vocab_size=n`,
+the exit head drafts from the n most frequent tokens the model stores (`set_draft_vocab`; `draft_vocab_head`, about
+n / V of the full head's cost); `speculative_verify_width=w`, a context round that verifies drafts feeds at least w
+positions per row (fillers after the drafts, never accepted), for CPUs whose kernels are slower at 2-3 rows than at 8.
+
 `assistant_early_exit`, `num_assistant_tokens`, `num_assistant_tokens_schedule` and `assistant_confidence_threshold` are
 transformers' GenerationConfig fields, with transformers' meaning and defaults (20 drafts, "constant", 0.4); stored in
 `model.generation_config` they are the model's defaults. `EarlyExitMixin.generate` hands `speculative_generate` to
