@@ -1,6 +1,8 @@
 """Helpers that several test modules use: plain functions, classes and settings (fixtures live in conftest.py)."""
 
+import pytest
 import torch
+from conftest import LayerCalls, padded_batch
 from transformers.generation.streamers import BaseStreamer
 
 import ee_transformers as eet
@@ -81,3 +83,16 @@ def served_folders(root):
     model.save_pretrained(root / "ee")
     tok.save_pretrained(root / "ee")
     return root / "base", root / "ee"
+
+
+def refused_before_decoding(model, match, **kwargs):
+    """`model.generate(**kwargs)` on a padded batch of 2 raises a `ValueError` matching `match` before any decoder
+    layer runs."""
+    ids, mask = padded_batch(batch=2)
+    counter = LayerCalls(model)
+    try:
+        with pytest.raises(ValueError, match=match):
+            model.generate(ids, attention_mask=mask, max_new_tokens=6, **kwargs)
+    finally:
+        counter.remove()
+    assert counter.calls == [0] * model.config.num_hidden_layers

@@ -303,7 +303,7 @@ CASES = {
     "bench-lossless: --lookup 4": (
         lambda w: ["bench-lossless", "--model", str(w / "ee"), "--lookup", "4"],
         2,
-        "`--lookup` takes N:G pairs of positive integers, e.g. 10:2, got '4'",
+        "`--lookup` takes N:G pairs (or N:G:W triples) of positive integers, e.g. 10:2, got '4'",
     ),
     "calibrate: --lossless --lookup-tokens 0": (
         lambda w: calibrate_argv(w) + ["--lossless", "--lookup-tokens", "0"],

@@ -4,6 +4,7 @@ any batch size."""
 import pytest
 import torch
 from conftest import LayerCalls, chi_square_p, make_base, padded_batch
+from helpers import refused_before_decoding
 
 import ee_transformers as eet
 import ee_transformers.speculative_early_exit as spec
@@ -273,15 +274,7 @@ def test_stored_prompt_lookup_is_used_by_a_plain_generate_after_reload(models, t
     ],
 )
 def test_bad_context_draft_arguments_raise_before_decoding(models, kwargs, match):
-    model, _ = models("llama")
-    ids, mask = padded_batch(batch=2)
-    counter = LayerCalls(model)
-    try:
-        with pytest.raises(ValueError, match=match):
-            model.generate(ids, attention_mask=mask, max_new_tokens=6, **kwargs)
-    finally:
-        counter.remove()
-    assert counter.calls == [0] * LAYERS  # refused before any decoding
+    refused_before_decoding(models("llama")[0], match, **kwargs)
 
 
 # --- the benchmark ---------------------------------------------------------------------------------------------------

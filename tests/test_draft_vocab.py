@@ -3,7 +3,8 @@ folder; lossless like every draft, and the full LM head never runs while draftin
 
 import pytest
 import torch
-from conftest import LayerCalls, chi_square_p, make_base, padded_batch
+from conftest import chi_square_p, make_base, padded_batch
+from helpers import refused_before_decoding
 from transformers import AutoModelForCausalLM
 
 import ee_transformers as eet
@@ -171,15 +172,7 @@ def test_fitting_stores_the_fitting_datas_most_frequent_tokens(base_dirs):
     ],
 )
 def test_bad_draft_vocabulary_arguments_raise_before_decoding(models, kwargs, match):
-    model, _ = models("llama")
-    ids, mask = padded_batch(batch=2)
-    counter = LayerCalls(model)
-    try:
-        with pytest.raises(ValueError, match=match):
-            model.generate(ids, attention_mask=mask, max_new_tokens=6, **kwargs)
-    finally:
-        counter.remove()
-    assert counter.calls == [0] * 4
+    refused_before_decoding(models("llama")[0], match, **kwargs)
 
 
 def test_a_model_without_a_stored_draft_vocabulary_says_how_to_get_one(base_dirs):
