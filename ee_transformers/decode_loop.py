@@ -50,6 +50,8 @@ class DecodeLoop:
         self.return_dict = generation_config.return_dict_in_generate
         criteria = [c.max_length for c in stopping_criteria if isinstance(c, MaxLengthCriteria)]
         self.max_length = min([generation_config.max_length] + criteria)  # the most tokens a row may hold
+        # the stopping criteria but the max length, which a ragged batch applies per row itself
+        self.row_criteria = StoppingCriteriaList([c for c in stopping_criteria if not isinstance(c, MaxLengthCriteria)])
         wanted = [self.return_dict and getattr(generation_config, n) for n in ("output_scores", "output_logits")]
         self.ragged = row_scores is not None
         if self.ragged:  # (B, steps, V) each, when asked
@@ -59,11 +61,6 @@ class DecodeLoop:
             self.scores, self.raw_logits = (() if w else None for w in wanted)
         if streamer is not None:  # generate streams the prompt itself only when it keeps the streamer
             streamer.put(input_ids.cpu())
-
-    @property
-    def row_criteria(self) -> StoppingCriteriaList:
-        """The stopping criteria but the max length, which a ragged batch applies per row itself."""
-        return StoppingCriteriaList([c for c in self.stopping_criteria if not isinstance(c, MaxLengthCriteria)])
 
     def choose(self, scores) -> torch.Tensor:
         """`(B, V)` processed scores -> a token per row `(B,)`: drawn from their softmax when sampling, else argmax."""

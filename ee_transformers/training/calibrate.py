@@ -621,8 +621,9 @@ def calibrate(model, data, config: CalibrationConfig | None = None, tokenizer=No
     if config.guarantee is not None:  # Learn then Test: certified on split A, thresholds from split B's scores
         found, best = _search_guaranteed(model, report, data_a, data_b, exit_layers, num_layers, costs, config, prompts)
     else:
-        found, best = _search_verified(model, report, data_a, exit_layers, num_layers, costs, config, prompts, group)
-        search_target = report.pop("_search_target")
+        found, best, search_target = _search_verified(
+            model, report, data_a, exit_layers, num_layers, costs, config, prompts, group
+        )
     if best is not None and best["speedup"] >= 1.0:
         _choose(report, best, data_b, exit_layers, num_layers, costs, config, group)
         if config.measure_speed:
@@ -770,7 +771,7 @@ def _candidate(c, exit_layers):
 
 def _search_verified(model, report, data_a, exit_layers, num_layers, costs, config, prompts, group):
     """The target-agreement search, verified on-policy: while really decoding misses the target, the search reruns
-    with the target raised by the shortfall. Returns (search result, best or None)."""
+    with the target raised by the shortfall. Returns (search result, best or None, the target last searched for)."""
     criterion, policy, patience, kv = config.criterion, config.policy, config.patience, config.kv
     target_agreement = search_target = config.target_agreement
     found = best = None
@@ -805,8 +806,7 @@ def _search_verified(model, report, data_a, exit_layers, num_layers, costs, conf
         search_target = min(1.0, search_target + (target_agreement - checked["agreement"]))
     else:
         best = None  # every verified round missed the target
-    report["_search_target"] = search_target
-    return found, best
+    return found, best, search_target
 
 
 def _choose(report, best, data_b, exit_layers, num_layers, costs, config, group):
