@@ -68,6 +68,9 @@ class EarlyExitConfigMixin:
     draft_vocab_size: how many token ids, most frequent first, the folder stores for exit-head drafts that score only
         those tokens (`generate(assistant_vocab_size=n)`, n up to this; the model's `draft_token_ids` buffer); None:
         none stored.
+    draft_table_size: entries of the table of frequent continuations the folder stores for table drafts
+        (`generate(prompt_lookup_num_tokens=N, speculative_table_drafts=True)`; the model's `draft_table_keys` /
+        `draft_table_next` buffers, draft_table.py); None: none stored.
 
     How to decode (criterion, threshold, policy, ...) is a generation setting: it lives in `model.generation_config`
     (`generation_config.json`), where calibration writes it.
@@ -78,6 +81,7 @@ class EarlyExitConfigMixin:
     exit_adapter_rank: int = 64
     exit_confidence_heads: bool = False
     draft_vocab_size: int | None = None
+    draft_table_size: int | None = None
 
     def __post_init__(self, **kwargs):
         self.exit_layers = list(self.exit_layers) if self.exit_layers is not None else []
@@ -97,6 +101,9 @@ class EarlyExitConfigMixin:
         n = self.draft_vocab_size
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.vocab_size):
             raise ValueError(f"`draft_vocab_size` must be None or an integer in [1, {self.vocab_size}], got {n!r}.")
+        n = self.draft_table_size
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"`draft_table_size` must be None or a positive integer, got {n!r}.")
 
     def pop_legacy_exit_settings(self) -> dict:
         """Removes and returns the decoding defaults a first-wave config.json held (now generation settings)."""

@@ -54,6 +54,7 @@ from .configuration_early_exit import (
     EarlyExitQwen2Config,
     EarlyExitQwen3Config,
 )
+from .draft_table import build_draft_table
 from .exit_heads import ConfidenceHead, ExitHead
 from .families import (
     FamilyAdapter,
@@ -82,6 +83,7 @@ from .lean_early_exit import is_lean, set_exit_max_layer, shed_layers
 from .paged_early_exit import check_paged_exits, is_paged, loaded_layers_config, paged_step
 from .speculative_early_exit import (
     MAX_BATCH_FIELD,
+    OUR_FIELDS,
     our_speculative_arguments,
     speculation_requested,
     speculative_generate,
@@ -151,8 +153,10 @@ class ExitHeadsMixin:
 
 def _keep_exit_settings_on_reload(generation_config: GenerationConfig) -> None:
     """Clears the `_from_model_config` mark of a generation config that holds exit settings: transformers reads a
-    file so marked without its custom entries (`GenerationConfig.__init__`), so the settings would be lost."""
-    if any(getattr(generation_config, name, None) is not None for name in EXIT_ARGUMENTS):
+    file so marked without its custom entries (`GenerationConfig.__init__`), so the settings would be lost. Our
+    speculative fields (`OUR_FIELDS`, `speculative_max_batch_size`) are custom entries too."""
+    custom = EXIT_ARGUMENTS + OUR_FIELDS + (MAX_BATCH_FIELD,)
+    if any(getattr(generation_config, name, None) is not None for name in custom):
         generation_config._from_model_config = False
 
 
@@ -190,6 +194,9 @@ class EarlyExitMixin(ExitHeadsMixin):
         self.exit_max_layer = config.num_hidden_layers - 1  # the deepest resident decoder layer
         if config.draft_vocab_size:  # filled from the checkpoint
             self.register_buffer("draft_token_ids", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        if config.draft_table_size:
+            for name in ("draft_table_keys", "draft_table_next"):
+                self.register_buffer(name, torch.zeros(config.draft_table_size, dtype=torch.long))
         if exit_max_layer is not None:
             shed_layers(self, exit_max_layer)
 
@@ -221,6 +228,23 @@ class EarlyExitMixin(ExitHeadsMixin):
         device = self.family.final_norm(self).weight.device
         self.register_buffer("draft_token_ids", ids.to(device))
         self.config.draft_vocab_size = ids.numel()
+
+    def set_draft_table(self, blocks, min_count: int = 2) -> int:
+        """Stores the table of frequent continuations of `blocks` (`(n, T)` token ids, or a list of 1-D sequences:
+        text like the user's; `fit` stores its data's) for `generate(prompt_lookup_num_tokens=N,
+        speculative_table_drafts=True)`: the rows without a context match draft from it (draft_table.py). Only
+        continuations seen at least `min_count` times enter. Saved with the model (`draft_table_keys`,
+        `draft_table_next`, `config.draft_table_size`). Returns the number of entries."""
+        keys, following = build_draft_table(blocks, self.config.vocab_size, min_count)
+        if keys.numel() == 0:
+            raise ValueError(
+                f"`blocks` hold no continuation seen `min_count`={min_count} times: give more text or a lower min_count."
+            )
+        device = self.family.final_norm(self).weight.device
+        self.register_buffer("draft_table_keys", keys.to(device))
+        self.register_buffer("draft_table_next", following.to(device))
+        self.config.draft_table_size = keys.numel()
+        return keys.numel()
 
     # loading and saving -------------------------------------------------------------------------------------------
     @classmethod
@@ -390,7 +414,8 @@ class EarlyExitMixin(ExitHeadsMixin):
         `assistant_confidence_threshold` as in transformers; `assistant_vocab_size=n` (ours) lets the exit head score
         only the n most frequent tokens the model stores (`set_draft_vocab`), a far cheaper draft head;
         `speculative_verify_width=w` (ours) feeds context rounds at least w positions per row (fillers never
-        accepted), for CPUs whose kernels are slower at 2-3 rows than at 4-8.
+        accepted), for CPUs whose kernels are slower at 2-3 rows than at 4-8; `speculative_table_drafts=True` (ours)
+        lets the rows without a context match draft from the model's stored table (`set_draft_table`).
         """
         ids = inputs if inputs is not None else kwargs.get("input_ids")
         batch_size = ids.shape[0] if isinstance(ids, torch.Tensor) and ids.ndim == 2 else None

@@ -18,6 +18,8 @@ Two settings of ours (`OUR_FIELDS`, generate arguments or stored in `generation_
 the exit head drafts from the n most frequent tokens the model stores (`set_draft_vocab`; `draft_vocab_head`, about
 n / V of the full head's cost); `speculative_verify_width=w`, a context round that verifies drafts feeds at least w
 positions per row (fillers after the drafts, never accepted), for CPUs whose kernels are slower at 2-3 rows than at 8.
+A third, `speculative_table_drafts=True`: a row whose own text offers no match drafts from the table of frequent
+continuations the model stores (`set_draft_table`, draft_table.py), verified like every copied draft.
 
 `assistant_early_exit`, `num_assistant_tokens`, `num_assistant_tokens_schedule` and `assistant_confidence_threshold` are
 transformers' GenerationConfig fields, with transformers' meaning and defaults (20 drafts, "constant", 0.4); stored in
@@ -69,6 +71,7 @@ from transformers.utils import logging
 
 from .decode_core import deprecated_aliases, run_layers
 from .decode_loop import DecodeLoop, require_cache
+from .draft_table import table_drafts
 from .generation_early_exit import EXIT_ARGUMENTS, GenerateEarlyExitOutput
 from .lean_early_exit import _is_int, is_lean
 
@@ -85,7 +88,13 @@ MAX_BATCH_FIELD = "speculative_max_batch_size"
 VOCAB_FIELD = "assistant_vocab_size"
 # ours: a context round feeds at least this many positions per row (fillers after the drafts, never accepted)
 WIDTH_FIELD = "speculative_verify_width"
-OUR_FIELDS = (VOCAB_FIELD, WIDTH_FIELD)  # not transformers' GenerationConfig fields: passed to the loop as arguments
+# ours: rows without a context match draft from the model's stored table of frequent continuations
+TABLE_FIELD = "speculative_table_drafts"
+OUR_FIELDS = (
+    VOCAB_FIELD,
+    WIDTH_FIELD,
+    TABLE_FIELD,
+)  # not transformers' GenerationConfig fields: passed to the loop as arguments
 
 
 def _requested(name, model, generation_config, kwargs):
@@ -150,9 +159,10 @@ def speculation_requested(model, generation_config, kwargs, batch_size=None) -> 
 
 
 def our_speculative_arguments(model, generation_config, kwargs, speculative: bool) -> dict:
-    """Pops `OUR_FIELDS` (`assistant_vocab_size`, `speculative_verify_width`) from `kwargs` and returns them (kwargs
-    over `generation_config` over `model.generation_config`) for a speculative decode; without speculation a value
-    given in this call is refused (a stored one belongs to the stored draft settings)."""
+    """Pops `OUR_FIELDS` (`assistant_vocab_size`, `speculative_verify_width`, `speculative_table_drafts`) from
+    `kwargs` and returns them (kwargs over `generation_config` over `model.generation_config`) for a speculative
+    decode; without speculation a value given in this call is refused (a stored one belongs to the stored draft
+    settings)."""
     values = {}
     for name in OUR_FIELDS:
         values[name] = _requested(name, model, generation_config, kwargs)
@@ -175,7 +185,8 @@ class SpeculativeSettings:
     (a row's budget + 2 after a round that accepted every draft, else - 1); threshold: a row stops drafting from the
     exit head when its draft's confidence falls below it (0: never); vocab_size: the exit head drafts from the
     model's `vocab_size` most frequent stored tokens only (0: the full vocabulary); verify_width: a context round
-    that verifies drafts feeds at least this many positions per row (0: as many as the drafts need)."""
+    that verifies drafts feeds at least this many positions per row (0: as many as the drafts need); table: rows
+    without a context match draft from the model's stored table (`draft_table.py`)."""
 
     exit_layer: int | None
     exit_index: int | None
@@ -186,6 +197,7 @@ class SpeculativeSettings:
     ngram_size: int = 2
     vocab_size: int = 0
     verify_width: int = 0
+    table: bool = False
 
     @property
     def mode(self) -> str:
@@ -251,6 +263,25 @@ def _resolve_verify_width(value, lookup_tokens) -> int:
     return int(value)
 
 
+def _resolve_table(model, value, lookup_tokens) -> bool:
+    """Whether `speculative_table_drafts=value` drafts from the stored table (False for None)."""
+    if value is None or value is False:
+        return False
+    if value is not True:
+        raise ValueError(f"`{TABLE_FIELD}` must be True, False or None, got {value!r}.")
+    if not lookup_tokens:
+        raise ValueError(
+            f"`{TABLE_FIELD}` drafts for the rows that context drafts leave without a match and needs "
+            "`prompt_lookup_num_tokens`."
+        )
+    if not model.config.draft_table_size:
+        raise ValueError(
+            f"`{TABLE_FIELD}=True` needs a draft table stored in the model (`config.draft_table_size`), which has "
+            "none: store one with `model.set_draft_table(blocks)`, or fit with `--draft-table`."
+        )
+    return True
+
+
 def _refuse_unsupported(model, generation_config, mode):
     config = model.config
     if (generation_config.num_beams or 1) > 1:
@@ -274,10 +305,12 @@ def _refuse_unsupported(model, generation_config, mode):
         )
 
 
-def resolve_speculative_settings(model, generation_config, vocab_size=None, verify_width=None) -> SpeculativeSettings:
-    """Settings from a prepared `GenerationConfig` (transformers' defaults filled in), `assistant_vocab_size` and
-    `speculative_verify_width`. Raises a `ValueError` naming the argument, the bad value and the allowed values, or
-    what the mode cannot do."""
+def resolve_speculative_settings(
+    model, generation_config, vocab_size=None, verify_width=None, table=None
+) -> SpeculativeSettings:
+    """Settings from a prepared `GenerationConfig` (transformers' defaults filled in), `assistant_vocab_size`,
+    `speculative_verify_width` and `speculative_table_drafts`. Raises a `ValueError` naming the argument, the bad
+    value and the allowed values, or what the mode cannot do."""
     exit_layer, exit_index = _resolve_exit_draft(model, generation_config.assistant_early_exit)
     lookup = generation_config.prompt_lookup_num_tokens
     lookup = 0 if lookup is None else _positive_int(generation_config, "prompt_lookup_num_tokens")
@@ -300,6 +333,7 @@ def resolve_speculative_settings(model, generation_config, vocab_size=None, veri
         ngram,
         _resolve_draft_vocab(model, vocab_size, exit_layer),
         _resolve_verify_width(verify_width, lookup),
+        _resolve_table(model, table, lookup),
     )  # a heuristic K never outlives the call here
     if not settings.mode:
         raise ValueError("Speculative decoding needs `assistant_early_exit` or `prompt_lookup_num_tokens`.")
@@ -656,7 +690,8 @@ class GenerateSpeculativeOutput(GenerateEarlyExitOutput):
     """`GenerateEarlyExitOutput` of self-speculative decoding (every token is decided by the final head, so
     `exit_layers` is `num_hidden_layers - 1` for every token, -1 after a row's end), plus per row `(batch,)`:
     `draft_tokens` (drafts verified for the row), `accepted_tokens` (those it kept), `verify_rounds` (rounds it took
-    part in), `context_draft_tokens` / `context_accepted_tokens` (the share of those two copied from the context); and
+    part in), `context_draft_tokens` / `context_accepted_tokens` (the share of those two copied, from the row's text
+    or the table), `table_draft_tokens` / `table_accepted_tokens` (the share of those from the table); and
     `draft_lengths` `(rounds,)`: the positions drafted in each round (batch-wide). A round gives a row its accepted
     drafts plus one token of the full model, unless a stop comes first.
 
@@ -671,6 +706,8 @@ class GenerateSpeculativeOutput(GenerateEarlyExitOutput):
     draft_lengths: torch.LongTensor | None = None
     context_draft_tokens: torch.LongTensor | None = None
     context_accepted_tokens: torch.LongTensor | None = None
+    table_draft_tokens: torch.LongTensor | None = None
+    table_accepted_tokens: torch.LongTensor | None = None
 
     @property
     def acceptance_rate(self) -> torch.Tensor:
@@ -697,8 +734,8 @@ def _capacity(cache) -> int:
 class _Round:
     """What one round fed and drafted. states: `(R, k+1, D)` the live rows' residual entering verification (leaving
     layer `start`; -1: the embeddings); drafts / valid: `(B, k)` the drafted tokens and which of them are drafts (not
-    fillers); q: `(B, k, V)` the draft distributions (sampling only); context: `(B,)` leading drafts from the
-    context."""
+    fillers); q: `(B, k, V)` the draft distributions (sampling only); context: `(B,)` leading copied drafts (from
+    the row's text, or from the table); table: `(B,)` whether a row's copied drafts came from the table."""
 
     start: int
     states: torch.Tensor
@@ -706,6 +743,7 @@ class _Round:
     valid: torch.Tensor | None
     q: torch.Tensor | None
     context: torch.Tensor
+    table: torch.Tensor | None = None
 
 
 def _point_mass(drafts, valid, vocab_size):
@@ -763,11 +801,15 @@ def _exit_round(model, settings, batch, cache, k, drafting, context, counts, log
     return _Round(settings.exit_layer, torch.cat(states, dim=1), drafts, None, q, counts.clamp(max=k))
 
 
-def _plan(settings, batch, active, budgets, capacity, cache):
+def _plan(model, settings, batch, active, budgets, capacity, cache):
     """This round's drafts: (context drafts, their counts, k, whether the exit head drafts) for the active rows."""
     room = (batch.max_length - batch.length - 1).clamp_min(0) * active  # drafts beyond it could never be committed
+    table = torch.zeros_like(active)
     if settings.lookup_tokens:
-        context, counts = context_drafts(batch, torch.minimum(budgets["context"], room), settings.ngram_size)
+        budget = torch.minimum(budgets["context"], room)
+        context, counts = context_drafts(batch, budget, settings.ngram_size)
+        if settings.table:
+            context, counts, table = _table_fill(model, batch, context, counts, budget)
     else:
         context, counts = batch.tokens.new_zeros(batch.batch_size, 0), torch.zeros_like(room)
     use_exit = settings.exit_layer is not None and bool((active & (counts == 0)).any())
@@ -782,16 +824,32 @@ def _plan(settings, batch, active, budgets, capacity, cache):
         batch.compact(cache, active)
     if capacity > 0:
         k = max(min(k, capacity - batch.slots.shape[1] - 1), 0)
-    return context, counts.clamp(max=k), k, use_exit
+    return context, counts.clamp(max=k), k, use_exit, table
+
+
+def _table_fill(model, batch, context, counts, budget):
+    """The rows without a context match (and a budget) draft from the model's stored table instead. Returns
+    (drafts, counts, which rows' drafts came from the table `(B,)`)."""
+    need = (counts == 0) & (budget > 0)
+    if not bool(need.any()):
+        return context, counts, need
+    keys, following = model.draft_table_keys, model.draft_table_next
+    drafts, n = table_drafts(keys, following, batch.tokens, batch.length, budget * need, model.config.vocab_size)
+    width = max(context.shape[1], drafts.shape[1])
+    context, drafts = (nn.functional.pad(t, (0, width - t.shape[1])) for t in (context, drafts))
+    return torch.where(need[:, None], drafts, context), torch.where(need, n, counts), need & (n > 0)
 
 
 def _draft(model, settings, batch, cache, active, budgets, capacity, logits_processor, sample):
-    context, counts, k, use_exit = _plan(settings, batch, active, budgets, capacity, cache)
+    context, counts, k, use_exit, table = _plan(model, settings, batch, active, budgets, capacity, cache)
     if not use_exit:
-        return _context_round(model, batch, context, counts, k, sample)
-    return _exit_round(
-        model, settings, batch, cache, k, active.clone(), context, counts, logits_processor, sample, budgets["exit"]
-    )
+        r = _context_round(model, batch, context, counts, k, sample)
+    else:
+        r = _exit_round(
+            model, settings, batch, cache, k, active.clone(), context, counts, logits_processor, sample, budgets["exit"]
+        )
+    r.table = table
+    return r
 
 
 def _grow(budget, accepted, drafted, rows, steps):
@@ -864,7 +922,8 @@ class _RoundStats:
     def __init__(self, settings, size, steps, device):
         self.settings, self.steps, self.draft_lengths = settings, steps, []
         self.totals = {
-            n: torch.zeros(size, dtype=torch.long, device=device) for n in ("drafted", "accepted", "rounds", "cd", "ca")
+            n: torch.zeros(size, dtype=torch.long, device=device)
+            for n in ("drafted", "accepted", "rounds", "cd", "ca", "td", "ta")
         }
         self.budgets = {
             "exit": torch.full((size,), settings.num_tokens, dtype=torch.long, device=device),
@@ -880,6 +939,8 @@ class _RoundStats:
         self.totals["rounds"] += active.long()
         self.totals["cd"] += r.context * active
         self.totals["ca"] += torch.minimum(kept, r.context)
+        self.totals["td"] += r.context * (active & r.table)
+        self.totals["ta"] += torch.minimum(kept, r.context) * r.table
         self.draft_lengths.append(k)
         if self.settings.schedule == "heuristic":
             copied, budgets = active & (r.context > 0), self.budgets
@@ -895,6 +956,8 @@ class _RoundStats:
             draft_lengths=torch.tensor(self.draft_lengths, dtype=torch.long),
             context_draft_tokens=t["cd"],
             context_accepted_tokens=t["ca"],
+            table_draft_tokens=t["td"],
+            table_accepted_tokens=t["ta"],
         )
 
 
@@ -921,12 +984,15 @@ def speculative_generate(
     spec_streamer=None,
     assistant_vocab_size=None,
     speculative_verify_width=None,
+    speculative_table_drafts=None,
     **model_kwargs,
 ):
     """The decoding loop of `generate(assistant_early_exit=... and / or prompt_lookup_num_tokens=...)` (passed as
     `custom_generate`), on the shared skeleton (`decode_loop.DecodeLoop`): prefill at full depth, then rounds of
     draft, verify, accept, commit until every row has stopped."""
-    settings = resolve_speculative_settings(model, generation_config, assistant_vocab_size, speculative_verify_width)
+    settings = resolve_speculative_settings(
+        model, generation_config, assistant_vocab_size, speculative_verify_width, speculative_table_drafts
+    )
     cache = _check_call(settings.mode, input_ids, synced_gpus, model_kwargs, spec_streamer)
     vocab = model.config.vocab_size
     loop = DecodeLoop(input_ids, logits_processor, stopping_criteria, generation_config, spec_streamer, vocab)
@@ -954,6 +1020,7 @@ __all__ = [
     "MAX_BATCH_FIELD",
     "VOCAB_FIELD",
     "WIDTH_FIELD",
+    "TABLE_FIELD",
     "OUR_FIELDS",
     "SCHEDULES",
     "GenerateSpeculativeOutput",

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ee_transformers.speculative_early_exit import MAX_BATCH_FIELD, VOCAB_FIELD, WIDTH_FIELD
+from ee_transformers.speculative_early_exit import MAX_BATCH_FIELD, TABLE_FIELD, VOCAB_FIELD, WIDTH_FIELD
 from ee_transformers.tools.arguments import check_fields
 from ee_transformers.tools.bench.loading import make_batches
 from ee_transformers.tools.bench.lossless import measure_rows
@@ -44,6 +44,7 @@ STORED_FIELDS = (
     "num_assistant_tokens",
     VOCAB_FIELD,
     WIDTH_FIELD,
+    TABLE_FIELD,
 )
 
 
@@ -63,6 +64,13 @@ class LosslessCalibrationConfig:
         metadata={
             "help": "speculative_verify_width candidates (0: none), each with every N whose rounds are narrower",
             "min": 0,
+        },
+    )
+    table_drafts: bool = field(
+        default=True,
+        metadata={
+            "help": "when the model stores a draft table, time every context-draft candidate with table drafts too "
+            "(speculative_table_drafts)"
         },
     )
     exits: list[int] | None = field(
@@ -86,15 +94,20 @@ class LosslessCalibrationConfig:
         check_fields(self)
 
 
-def lossless_candidates(config: LosslessCalibrationConfig, stored_vocab: int = 0) -> list[dict]:
-    """generate() arguments of every candidate, context drafts first; exit-head drafts from the first
-    `config.draft_vocab_size` of the `stored_vocab` most frequent tokens the model stores (when both are > 0)."""
+def lossless_candidates(
+    config: LosslessCalibrationConfig, stored_vocab: int = 0, stored_table: bool = False
+) -> list[dict]:
+    """generate() arguments of every candidate, context drafts first (each also with table drafts when
+    `config.table_drafts` and the model stores a table); exit-head drafts from the first `config.draft_vocab_size` of
+    the `stored_vocab` most frequent tokens the model stores (when both are > 0)."""
     vocab = min(config.draft_vocab_size, stored_vocab)
     context = [
         dict(prompt_lookup_num_tokens=n, max_matching_ngram_size=g, **({WIDTH_FIELD: w} if w else {}))
         for n, g, w in itertools.product(config.lookup_tokens, config.ngram_sizes, config.verify_widths)
         if not w or w > n + 1  # a width the drafts reach anyway changes nothing
     ]
+    if config.table_drafts and stored_table:
+        context += [{**c, TABLE_FIELD: True} for c in context]
     exits = []
     for e in config.exits or []:
         exit_draft = dict(assistant_early_exit=e, num_assistant_tokens=config.num_assistant_tokens)
@@ -114,7 +127,7 @@ def calibrate_lossless(model, plain, prompts, config: LosslessCalibrationConfig 
     "max_batch_size", "closest", "message"}.
     Raises `AssertionError` if a candidate's output differs from plain greedy (a lossless mode that is not)."""
     config = config or LosslessCalibrationConfig()
-    kwargs = lossless_candidates(config, model.config.draft_vocab_size or 0)
+    kwargs = lossless_candidates(config, model.config.draft_vocab_size or 0, bool(model.config.draft_table_size))
     rows = [dict(name=_name(k), who="ours", kwargs=k, batch_1_only=False) for k in kwargs]
     by_batch = {}
     with without_eos(model, plain), torch.no_grad():

@@ -22,6 +22,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, fields
 
@@ -85,6 +86,10 @@ class FitConfig:
     draft_vocab_size: int = field(
         default=16384,
         metadata={"help": "store the N most frequent tokens of the fitting data for cheap exit-head drafts (0 = none)"},
+    )
+    draft_table: bool = field(
+        default=True,
+        metadata={"help": "store the fitting data's table of frequent continuations for table drafts"},
     )
     progress: bool = True
 
@@ -489,6 +494,11 @@ def fit_exit_heads(
 
         vocab = _ee(result.model).config.vocab_size
         _ee(result.model).set_draft_vocab(frequent_tokens(train_blocks, min(config.draft_vocab_size, vocab), vocab))
+    if config.draft_table:  # `generate(prompt_lookup_num_tokens=N, speculative_table_drafts=True)`
+        try:
+            _ee(result.model).set_draft_table(train_blocks)
+        except ValueError:  # too little text for any continuation to repeat: no table, said so
+            warnings.warn("The fitting data holds no continuation seen twice: no draft table stored.", stacklevel=2)
     result.seconds = round(time.time() - started, 2)
     return result
 

@@ -53,6 +53,7 @@ from ee_transformers.tools.assets.text import (
     clean_info_text,
     fetch_text,
     read_austen_rdb,
+    training_texts,
 )
 
 __all__ = [
@@ -88,5 +89,6 @@ __all__ = [
     "parse_rdb_strings",
     "read_austen_rdb",
     "read_rdx",
+    "training_texts",
     "unserialize",
 ]

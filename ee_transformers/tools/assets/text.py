@@ -65,6 +65,17 @@ def text_slice(path, region, max_chars):
     return text[start : min(stop, start + max_chars)]
 
 
+def training_texts(max_chars: int | None = None, cache_dir=None) -> list[str]:
+    """The main job's fitting text: the five training novels, whole, and `FIT_REGIONS["python"]` of the Python
+    manual (at most `max_chars` of each; None: all)."""
+    text = fetch_text(cache_dir, progress=False)
+    novels = {Path(p).stem: p for p in text["austen"]}
+    limit = max_chars or sys.maxsize
+    return [text_slice(novels[name], (0.0, 1.0), limit) for name in AUSTEN_TRAIN] + [
+        text_slice(text["python"][0], FIT_REGIONS["python"], limit)
+    ]
+
+
 def read_austen_rdb(rdb_path: Path) -> dict[str, list[str | None]]:
     """The novels (character vectors with more than 1000 lines) in janeaustenr's ``Rdata.rdb``, by R name.
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from ee_transformers.speculative_early_exit import OUR_FIELDS, WIDTH_FIELD
+from ee_transformers.speculative_early_exit import OUR_FIELDS, TABLE_FIELD, WIDTH_FIELD
 from ee_transformers.tools.arguments import (
     ArgumentParser,
     InputError,
@@ -41,7 +41,15 @@ from ee_transformers.tools.arguments import (
 from ee_transformers.tools.bench.loading import heldout_prompts, load_models, make_batches
 from ee_transformers.tools.bench.timing import greedy_generation_config, only_these_drafts, without_eos
 
-__all__ = ["LosslessConfig", "format_lossless", "lossless_rows", "main", "measure_rows", "run_lossless"]
+__all__ = [
+    "LosslessConfig",
+    "format_lossless",
+    "lossless_rows",
+    "main",
+    "measure_rows",
+    "run_lossless",
+    "store_table_from",
+]
 
 
 @dataclass
@@ -71,6 +79,20 @@ class LosslessConfig:
             "help": "assistant_vocab_size values of our exit-head rows, each next to the full vocabulary (needs the "
             "folder's stored draft vocabulary, see `fit --draft-vocab-size`)",
             "min": 1,
+        },
+    )
+    table_drafts: bool = field(
+        default=False,
+        metadata={
+            "help": "also time each of our context-draft rows with table drafts (speculative_table_drafts: rows "
+            "without a context match draft from the folder's stored table, or the one --table-from builds)"
+        },
+    )
+    table_from: str | None = field(
+        default=None,
+        metadata={
+            "help": "build the draft table before timing (not saved) from 'training' (the main job's fitting text: "
+            "the five training novels, the first half of the Python manual) or a text file"
         },
     )
     threads: int = field(default=2, metadata={"help": "torch threads", "min": 1})
@@ -106,6 +128,9 @@ def lossless_rows(config: LosslessConfig) -> list[dict]:
         else:
             name += f", verify width {w}"
         rows.append(dict(name=name, who="ours", kwargs=setting, batch_1_only=False))
+        if config.table_drafts:
+            table = {**setting, TABLE_FIELD: True}
+            rows.append(dict(name=name + ", table drafts", who="ours", kwargs=table, batch_1_only=False))
     for e in config.exits or []:
         exit_draft = dict(assistant_early_exit=e, num_assistant_tokens=config.num_assistant_tokens)
         rows.append(dict(name=f"exit drafts @{e}", who="transformers", kwargs=exit_draft, batch_1_only=True))
@@ -216,6 +241,21 @@ def format_lossless(report: dict) -> str:
     return "\n".join(lines)
 
 
+def store_table_from(model, tokenizer, source: str) -> int:
+    """Stores in `model` the draft table of `source` ('training': the main job's fitting text; else a text file);
+    returns its number of entries."""
+    from ee_transformers.tools.assets import training_texts
+    from ee_transformers.training.data import token_sequences
+
+    if source == "training":
+        texts = training_texts()
+    elif Path(source).is_file():
+        texts = [Path(source).read_text(encoding="utf-8", errors="replace")]
+    else:
+        raise InputError(f"`--table-from` must be 'training' or a text file, got {source!r} (no such file).")
+    return model.set_draft_table(token_sequences(texts, tokenizer))
+
+
 def _run(args):
     from transformers import AutoTokenizer
 
@@ -233,6 +273,13 @@ def _run(args):
         )
     ee, plain = load_models(args.model, exit_layers=None if stored else (wanted or [0]))
     tokenizer = AutoTokenizer.from_pretrained(args.model)
+    if config.table_from:
+        print(f"draft table from {config.table_from}: {store_table_from(ee, tokenizer, config.table_from)} entries")
+    elif config.table_drafts and not ee.config.draft_table_size:
+        raise InputError(
+            f"`--table-drafts` needs a draft table: the folder {args.model} stores none; pass `--table-from training` "
+            "or a text file."
+        )
     prompts = heldout_prompts(tokenizer, num_prompts=config.num_prompts, window=config.prompt_tokens, seed=config.seed)
     report = run_lossless(ee, plain, prompts, config)
     table = format_lossless(report)

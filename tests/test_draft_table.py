@@ -1,0 +1,190 @@
+"""Issue 20: table drafts (`speculative_table_drafts=True`): rows whose own text offers no match draft from a stored
+table of frequent continuations, verified at full depth like every copied draft."""
+
+import pytest
+import torch
+from conftest import LayerCalls, chi_square_p, make_base, padded_batch
+from helpers import refused_before_decoding
+
+import ee_transformers as eet
+from ee_transformers.draft_table import build_draft_table, table_drafts
+
+LAYERS = 4
+
+
+@pytest.fixture(scope="module")
+def models(base_dirs):
+    """{family: (early-exit model storing a table of its base's own greedy text, base)}, built once per module."""
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            folder, base = base_dirs[family]
+            model = eet.from_base(folder, exit_layers=[0, 1, 2]).eval()
+            ids, mask = padded_batch(batch=3)
+            text = base.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
+            model.set_draft_table(text, min_count=1)  # (pads included: a table only proposes drafts)
+            cache[family] = (model, base)
+        return cache[family]
+
+    return get
+
+
+def _sliding(base):
+    return getattr(base.config, "sliding_window", None) and getattr(base.config, "use_sliding_window", True)
+
+
+# --- the table -------------------------------------------------------------------------------------------------------
+
+
+def test_the_table_keeps_each_contexts_most_frequent_continuation():
+    v = 10
+    keys, following = build_draft_table([[1, 2, 3, 1, 2, 3, 1, 2, 4], [5, 1, 2, 4, 7]], v, min_count=2)
+    table = {int(k): int(n) for k, n in zip(keys, following)}
+    # pair (1, 2) was followed by 3 twice and 4 twice: the tie goes to the lower id; (2, 3) -> 1 twice
+    assert table[1 * v + 2] == 3 and table[2 * v + 3] == 1
+    # single tokens: 1 -> 2 four times, 2 -> 3 / 4 twice each (tie: 3), 3 -> 1 twice
+    assert table[v * v + 1] == 2 and table[v * v + 2] == 3 and table[v * v + 3] == 1
+    assert 5 * v + 1 not in table and v * v + 4 not in table  # seen once: below min_count
+    assert keys.tolist() == sorted(keys.tolist())  # lookups search the keys
+    keys, _ = build_draft_table([[1, 2, 3]], v, min_count=1)
+    assert keys.tolist() == [1 * v + 2, v * v + 1, v * v + 2]
+    with pytest.raises(ValueError, match=r"`min_count` must be an integer >= 1, got 0"):
+        build_draft_table([[1, 2, 3]], v, min_count=0)
+    with pytest.raises(ValueError, match=r"`blocks` must hold token ids in \[0, 10\)"):
+        build_draft_table([[1, 2, 30]], v)
+
+
+def test_table_drafts_chain_from_each_rows_last_two_tokens():
+    v = 10
+    keys, following = build_draft_table([[1, 2, 3, 4, 5], [7, 2, 8], [6, 2]], v, min_count=1)
+    tokens = torch.tensor([[0, 1, 2, 0], [9, 7, 2, 0], [0, 9, 9, 0], [0, 5, 2, 0]])
+    length = torch.tensor([3, 3, 3, 3])
+    drafts, counts = table_drafts(keys, following, tokens, length, torch.tensor([3, 3, 3, 2]), v)
+    # row 0: (1, 2) -> 3, (2, 3) -> 4, (3, 4) -> 5; row 1: (7, 2) -> 8, then nothing follows 8
+    # row 2: nothing follows 9; row 3: the pair (5, 2) is unknown, the single token 2 -> 3 (tie 3 / 8: 3), budget 2
+    assert counts.tolist() == [3, 1, 0, 2]
+    assert drafts[0].tolist() == [3, 4, 5] and drafts[1, 0] == 8 and drafts[3, :2].tolist() == [3, 4]
+    empty = torch.zeros(0, dtype=torch.long)
+    assert table_drafts(empty, empty, tokens, length, torch.tensor([3, 3, 3, 2]), v)[1].tolist() == [0] * 4
+
+
+# --- exactness and what it saves -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cache_implementation", [None, "static"])
+def test_table_drafts_equal_full_depth_greedy(models, family, cache_implementation):
+    model, base = models(family)
+    if _sliding(base):  # the matrix's window is shorter than the generation: refused (test_context_drafts)
+        return
+    ids, mask = padded_batch(batch=3)
+    kwargs = dict(max_new_tokens=20, do_sample=False, cache_implementation=cache_implementation)
+    expected = base.generate(ids, attention_mask=mask, **kwargs)
+    for source in (
+        dict(prompt_lookup_num_tokens=3, max_matching_ngram_size=3),
+        dict(prompt_lookup_num_tokens=2, assistant_early_exit=2, num_assistant_tokens=2),  # exit drafts for the rest
+    ):
+        out = model.generate(
+            ids, attention_mask=mask, return_dict_in_generate=True, speculative_table_drafts=True, **kwargs, **source
+        )
+        assert torch.equal(out.sequences, expected), source
+        assert (out.table_accepted_tokens <= out.table_draft_tokens).all()
+        assert (out.table_draft_tokens <= out.context_draft_tokens).all()
+        assert int(out.table_accepted_tokens.sum()) > 0  # the table holds the model's own text: drafts were right
+
+
+def test_accepted_table_drafts_save_full_steps(models):
+    model, base = models("llama")
+    ids, mask = padded_batch(batch=3)
+    new = 24
+    kwargs = dict(max_new_tokens=new, do_sample=False, prompt_lookup_num_tokens=3, return_dict_in_generate=True)
+    context_only = model.generate(ids, attention_mask=mask, **kwargs)
+    counter = LayerCalls(model)
+    try:
+        out = model.generate(ids, attention_mask=mask, speculative_table_drafts=True, **kwargs)
+    finally:
+        counter.remove()
+    assert torch.equal(out.sequences, context_only.sequences)
+    rounds = len(out.draft_lengths)
+    assert counter.calls == [1 + rounds] * LAYERS  # prefill + one forward of every layer a round
+    assert rounds < len(context_only.draft_lengths)  # the table's drafts saved rounds the context alone could not
+    assert int(out.table_accepted_tokens.sum()) > 0
+    # a row's forwards saved are its accepted drafts: rounds + accepted = tokens after the prefill's
+    assert (out.verify_rounds + out.accepted_tokens <= new - 1).all()
+
+
+def test_sampling_with_table_drafts_follows_the_full_models_distribution(tmp_path):
+    vocab, rows = 8, 6000
+    base = make_base("llama", vocab_size=vocab, eos_token_id=None, pad_token_id=0, bos_token_id=1)
+    with torch.no_grad():
+        base.lm_head.weight.mul_(6.0)  # peaked distributions: table drafts are often, not always, right
+    base.save_pretrained(tmp_path)
+    model = eet.from_base(tmp_path, exit_layers=[0, 1, 2]).eval()
+    model.set_draft_table(base.generate(torch.tensor([[3, 4, 5, 6]]), max_new_tokens=40, do_sample=False), 1)
+    ids = torch.tensor([[5, 3, 7, 2]]).repeat(rows, 1)  # nothing repeats: every draft comes from the table
+    kwargs = dict(max_new_tokens=3, do_sample=True, temperature=0.9, pad_token_id=0)
+
+    def pairs(out):
+        new = out[:, ids.shape[1] :]
+        return new[:, 1] * vocab + new[:, 2]
+
+    torch.manual_seed(0)
+    plain = pairs(model.generate(ids, **kwargs))
+    out = model.generate(
+        ids, prompt_lookup_num_tokens=2, max_matching_ngram_size=1, speculative_table_drafts=True,
+        return_dict_in_generate=True, **kwargs,
+    )  # fmt: skip
+    rate = float(out.table_accepted_tokens.sum() / out.table_draft_tokens.sum())
+    assert 0.05 < rate < 0.95, rate  # the rule is exercised both ways
+    assert chi_square_p(plain, pairs(out.sequences)) > 1e-3
+
+
+# --- storing ---------------------------------------------------------------------------------------------------------
+
+
+def test_a_stored_table_and_setting_survive_a_remote_code_reload(models, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model, base = models("llama")
+    model.generation_config.prompt_lookup_num_tokens = 3
+    model.generation_config.speculative_table_drafts = True
+    try:
+        model.save_pretrained(tmp_path)
+    finally:
+        model.generation_config.prompt_lookup_num_tokens = None
+        del model.generation_config.speculative_table_drafts
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True).eval()
+    assert loaded.config.draft_table_size == model.config.draft_table_size
+    assert torch.equal(loaded.draft_table_keys, model.draft_table_keys)
+    assert torch.equal(loaded.draft_table_next, model.draft_table_next)
+    ids, mask = padded_batch(batch=3)
+    out = loaded.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, return_dict_in_generate=True)
+    assert int(out.table_draft_tokens.sum()) > 0  # a plain generate used the stored setting
+    assert torch.equal(out.sequences, base.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False))
+
+
+def test_set_draft_table_refuses_text_with_nothing_to_store(models):
+    model, _ = models("llama")
+    with pytest.raises(ValueError, match=r"hold no continuation seen `min_count`=2 times"):
+        model.set_draft_table([[3, 4, 5, 6]])
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(prompt_lookup_num_tokens=3, speculative_table_drafts="yes"), r"must be True, False or None, got 'yes'"),
+        (dict(prompt_lookup_num_tokens=3, speculative_table_drafts=1), r"must be True, False or None, got 1"),
+        (dict(assistant_early_exit=2, speculative_table_drafts=True), r"needs `prompt_lookup_num_tokens`"),
+        (dict(speculative_table_drafts=True), r"`speculative_table_drafts` is a setting of speculative decoding"),
+    ],
+)
+def test_bad_table_arguments_raise_before_decoding(models, kwargs, match):
+    refused_before_decoding(models("llama")[0], match, **kwargs)
+
+
+def test_table_drafts_without_a_stored_table_raise_before_decoding(base_dirs):
+    model = eet.from_base(base_dirs["llama"][0], exit_layers=[0, 1, 2]).eval()
+    refused_before_decoding(
+        model, r"needs a draft table stored in the model.*set_draft_table", prompt_lookup_num_tokens=3,
+        speculative_table_drafts=True,
+    )  # fmt: skip
