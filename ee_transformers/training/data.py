@@ -153,18 +153,6 @@ def tokenize_blocks(texts: list[str], tokenizer, block_size: int) -> torch.LongT
     return pack_token_ids(documents, block_size, separator)
 
 
-def token_sequences(texts: list[str], tokenizer, chunk_chars: int = 100_000) -> list[torch.LongTensor]:
-    """One 1-D tensor of token ids per text (no special tokens), tokenised `chunk_chars` characters at a time (a
-    chunk boundary may split a word): the input of `EarlyExitMixin.set_draft_table`."""
-    out = []
-    for text in texts:
-        ids = []
-        for start in range(0, len(text), chunk_chars):
-            ids += tokenizer(text[start : start + chunk_chars], add_special_tokens=False)["input_ids"]
-        out.append(torch.tensor(ids, dtype=torch.long))
-    return out
-
-
 @dataclass
 class BlockSplits:
     """Packed blocks `(n, block_size)`: `train` for fitting, `heldout` for evaluation and calibration."""

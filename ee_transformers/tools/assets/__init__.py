@@ -53,6 +53,7 @@ from ee_transformers.tools.assets.text import (
     clean_info_text,
     fetch_text,
     read_austen_rdb,
+    token_sequences,
     training_texts,
 )
 
@@ -89,6 +90,7 @@ __all__ = [
     "parse_rdb_strings",
     "read_austen_rdb",
     "read_rdx",
+    "token_sequences",
     "training_texts",
     "unserialize",
 ]

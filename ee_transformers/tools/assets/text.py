@@ -76,6 +76,18 @@ def training_texts(max_chars: int | None = None, cache_dir=None) -> list[str]:
     ]
 
 
+def token_sequences(texts: list[str], tokenizer, chunk_chars: int = 100_000) -> list:
+    """One list of token ids per text (no special tokens), tokenised `chunk_chars` characters at a time (a
+    chunk boundary may split a word): the input of `EarlyExitMixin.set_draft_table`."""
+    out = []
+    for text in texts:
+        ids = []
+        for start in range(0, len(text), chunk_chars):
+            ids += tokenizer(text[start : start + chunk_chars], add_special_tokens=False)["input_ids"]
+        out.append(ids)
+    return out
+
+
 def read_austen_rdb(rdb_path: Path) -> dict[str, list[str | None]]:
     """The novels (character vectors with more than 1000 lines) in janeaustenr's ``Rdata.rdb``, by R name.
 

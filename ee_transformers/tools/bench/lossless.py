@@ -244,8 +244,7 @@ def format_lossless(report: dict) -> str:
 def store_table_from(model, tokenizer, source: str) -> int:
     """Stores in `model` the draft table of `source` ('training': the main job's fitting text; else a text file);
     returns its number of entries."""
-    from ee_transformers.tools.assets import training_texts
-    from ee_transformers.training.data import token_sequences
+    from ee_transformers.tools.assets import token_sequences, training_texts
 
     if source == "training":
         texts = training_texts()
