@@ -188,3 +188,60 @@ def test_table_drafts_without_a_stored_table_raise_before_decoding(base_dirs):
         model, r"needs a draft table stored in the model.*set_draft_table", prompt_lookup_num_tokens=3,
         speculative_table_drafts=True,
     )  # fmt: skip
+
+
+# --- fitting, calibration, the benchmark ------------------------------------------------------------------------------
+
+
+def test_fitting_stores_the_fitting_datas_table(base_dirs):
+    from ee_transformers.training.fit_exit_heads import FitConfig, fit_exit_heads
+
+    folder, _ = base_dirs["llama"]
+    blocks = torch.randint(2, 12, (4, 16), generator=torch.Generator().manual_seed(0))  # 10 tokens: pairs repeat
+    model = eet.from_base(folder, exit_layers=[1])
+    fit_exit_heads(model, blocks, config=FitConfig(steps=1, batch_size=2, progress=False))
+    keys, following = build_draft_table(blocks, model.config.vocab_size)
+    assert model.config.draft_table_size == keys.numel() > 0
+    assert torch.equal(model.draft_table_keys.cpu(), keys) and torch.equal(model.draft_table_next.cpu(), following)
+    model = eet.from_base(folder, exit_layers=[1])
+    fit_exit_heads(model, blocks, config=FitConfig(steps=1, batch_size=2, draft_table=False, progress=False))
+    assert model.config.draft_table_size is None and not hasattr(model, "draft_table_keys")
+
+
+def test_lossless_calibration_times_table_drafts_when_a_table_is_stored():
+    from ee_transformers.training import calibrate_lossless as lossless
+
+    config = lossless.LosslessCalibrationConfig(lookup_tokens=[2, 4], ngram_sizes=[3])
+    with_table = lossless.lossless_candidates(config, stored_table=True)
+    assert [k.get("speculative_table_drafts") for k in with_table] == [None, None, True, True]
+    assert all("speculative_table_drafts" not in k for k in lossless.lossless_candidates(config))
+    off = lossless.LosslessCalibrationConfig(lookup_tokens=[2], ngram_sizes=[3], table_drafts=False)
+    assert len(lossless.lossless_candidates(off, stored_table=True)) == 1
+    assert "speculative_table_drafts" in lossless.STORED_FIELDS
+
+
+def test_bench_lossless_times_context_rows_with_table_drafts(models):
+    from ee_transformers.tools.bench import plain_twin, random_prompts
+    from ee_transformers.tools.bench.lossless import LosslessConfig, run_lossless
+
+    model, _ = models("llama")
+    config = LosslessConfig(
+        batch_sizes=[1, 2], num_prompts=2, prompt_tokens=8, new_tokens=8, rounds=1, threads=1, lookup=["2:3"],
+        table_drafts=True,
+    )  # fmt: skip
+    report = run_lossless(model, plain_twin(model), random_prompts(99, 2, 8), config, log=lambda *_: None)
+    rows = {(r["batch_size"], r["who"], r["name"]) for r in report["results"]}
+    assert {
+        (1, "ours", "prompt lookup N=2 G=3, table drafts"),
+        (2, "ours", "prompt lookup N=2 G=3, table drafts"),
+    } <= rows
+    assert all(r["identical"] for r in report["results"])
+
+
+def test_bench_lossless_table_from_refuses_a_missing_file(models, tmp_path):
+    from ee_transformers.tools.arguments import InputError
+    from ee_transformers.tools.bench.lossless import store_table_from
+
+    model, _ = models("llama")
+    with pytest.raises(InputError, match=r"`--table-from` must be 'training' or a text file"):
+        store_table_from(model, None, str(tmp_path / "none.txt"))
