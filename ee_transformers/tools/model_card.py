@@ -163,6 +163,7 @@ def _decoding(model, exits, calibrated: bool) -> tuple[str, str, str]:
             "assistant_early_exit",
             "assistant_vocab_size",
             "speculative_verify_width",
+            "speculative_table_drafts",
         )
     }
     lossless = {k: v for k, v in lossless.items() if v is not None}
