@@ -88,9 +88,9 @@ def width_costs(model, ids, widths=(1, 2, 3, 4, 5)):
     for w in widths:
         times = []
         for _ in range(12):
-            cache = model(ids[:1, :64], use_cache=True).past_key_values
+            cache = model(ids[:1, :64], use_cache=True).cache
             start = time.perf_counter()
-            model(ids[:1, 64 : 64 + w], past_key_values=cache, use_cache=True)
+            model(ids[:1, 64 : 64 + w], cache=cache, use_cache=True)
             times.append(time.perf_counter() - start)
         out[w] = 1000 * statistics.median(times[2:])
     return out
