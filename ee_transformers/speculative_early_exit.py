@@ -107,13 +107,13 @@ def _requested(name, model, generation_config, kwargs):
 
 
 def stored_draft_settings(model, generation_config, kwargs) -> list[str]:
-    """The draft settings (`DRAFT_SOURCES`) only `model.generation_config` sets, not this call."""
+    """The draft settings (`DRAFT_SOURCES`) only `model.generation_config` sets, not this call (a passed copy of
+    `model.generation_config` holding the same value counts as stored)."""
+    stored = {n: getattr(model.generation_config, n, None) for n in DRAFT_SOURCES}
     return [
         n
         for n in DRAFT_SOURCES
-        if n not in kwargs
-        and getattr(generation_config, n, None) is None
-        and getattr(model.generation_config, n, None) is not None
+        if n not in kwargs and stored[n] is not None and getattr(generation_config, n, None) in (None, stored[n])
     ]
 
 
@@ -162,11 +162,13 @@ def our_speculative_arguments(model, generation_config, kwargs, speculative: boo
     """Pops `OUR_FIELDS` (`assistant_vocab_size`, `speculative_verify_width`, `speculative_table_drafts`) from
     `kwargs` and returns them (kwargs over `generation_config` over `model.generation_config`) for a speculative
     decode; without speculation a value given in this call is refused (a stored one belongs to the stored draft
-    settings)."""
+    settings, and so does the same value in a passed copy of `model.generation_config`)."""
     values = {}
     for name in OUR_FIELDS:
         values[name] = _requested(name, model, generation_config, kwargs)
-        given = kwargs.pop(name, None) is not None or getattr(generation_config, name, None) is not None
+        passed = getattr(generation_config, name, None)
+        stored = getattr(model.generation_config, name, None) if model.generation_config is not None else None
+        given = kwargs.pop(name, None) is not None or (passed is not None and passed != stored)
         if not speculative and given:
             raise ValueError(
                 f"`{name}` is a setting of speculative decoding (`assistant_early_exit` or "

@@ -245,3 +245,27 @@ def test_bench_lossless_table_from_refuses_a_missing_file(models, tmp_path):
     model, _ = models("llama")
     with pytest.raises(InputError, match=r"`--table-from` must be 'training' or a text file"):
         store_table_from(model, None, str(tmp_path / "none.txt"))
+
+
+def test_a_passed_copy_of_the_stored_config_decodes_at_full_depth_when_asked(models):
+    """A stored table setting in a copy of `model.generation_config` is the stored setting, not a stray argument:
+    `early_exit=False` (or the draft sources turned off) decodes at full depth instead of raising."""
+    import copy
+
+    model, base = models("llama")
+    ids, mask = padded_batch(batch=2)
+    model.generation_config.prompt_lookup_num_tokens = 2
+    model.generation_config.speculative_table_drafts = True
+    try:
+        config = copy.deepcopy(model.generation_config)
+        config.update(max_new_tokens=6, do_sample=False)
+        expected = base.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+        assert torch.equal(
+            model.generate(ids, attention_mask=mask, generation_config=config, early_exit=False), expected
+        )
+        with pytest.raises(ValueError, match="`speculative_table_drafts` is a setting of speculative decoding"):
+            config.speculative_table_drafts = False  # differs from the stored value: given in this call
+            model.generate(ids, attention_mask=mask, generation_config=config, early_exit=False)
+    finally:
+        model.generation_config.prompt_lookup_num_tokens = None
+        del model.generation_config.speculative_table_drafts

@@ -13,7 +13,7 @@ import torch
 
 from ee_transformers.generation_early_exit import EXIT_ARGUMENTS, ExitStats, merged_exit_values, resolve_exit_settings
 from ee_transformers.modeling_early_exit import EarlyExitMixin
-from ee_transformers.speculative_early_exit import DRAFT_SOURCES, OUR_FIELDS
+from ee_transformers.speculative_early_exit import DRAFT_SOURCES, MAX_BATCH_FIELD, OUR_FIELDS
 from ee_transformers.tools.bench.config import BenchConfig, Variant
 from ee_transformers.tools.bench.forced import ForcedExits, forced_profile
 from ee_transformers.tools.bench.loading import make_batches
@@ -65,8 +65,8 @@ def greedy_generation_config(model, new_tokens, clear_exit_settings=False):
             if hasattr(config, name):
                 setattr(config, name, None)
     if clear_exit_settings or not isinstance(model, EarlyExitMixin):  # the plain twin is the greedy reference: stored
-        for name in DRAFT_SOURCES:  # draft settings (it shares the early-exit model's config) would make it assisted
-            setattr(config, name, None)
+        for name in DRAFT_SOURCES + OUR_FIELDS + (MAX_BATCH_FIELD,):  # draft settings (it shares the early-exit
+            setattr(config, name, None)  # model's config) would make it assisted
     config.update(
         max_new_tokens=new_tokens,
         min_new_tokens=None,
