@@ -227,7 +227,7 @@ def test_bench_lossless_times_context_rows_with_table_drafts(models):
     model, _ = models("llama")
     config = LosslessConfig(
         batch_sizes=[1, 2], num_prompts=2, prompt_tokens=8, new_tokens=8, rounds=1, threads=1, lookup=["2:3"],
-        table_drafts=True,
+        table_drafts=True, heuristic_schedule=True,
     )  # fmt: skip
     report = run_lossless(model, plain_twin(model), random_prompts(99, 2, 8), config, log=lambda *_: None)
     rows = {(r["batch_size"], r["who"], r["name"]) for r in report["results"]}
@@ -235,6 +235,9 @@ def test_bench_lossless_times_context_rows_with_table_drafts(models):
         (1, "ours", "prompt lookup N=2 G=3, table drafts"),
         (2, "ours", "prompt lookup N=2 G=3, table drafts"),
     } <= rows
+    assert (2, "ours", "prompt lookup N=2 G=3, table drafts, heuristic") in rows
+    heuristic = [r for r in report["results"] if r["name"].endswith("heuristic")]
+    assert len(heuristic) == 4 and all(r["kwargs"]["num_assistant_tokens_schedule"] == "heuristic" for r in heuristic)
     assert all(r["identical"] for r in report["results"])
 
 

@@ -95,6 +95,13 @@ class LosslessConfig:
             "the five training novels, the first half of the Python manual) or a text file"
         },
     )
+    heuristic_schedule: bool = field(
+        default=False,
+        metadata={
+            "help": "also time each of our context-draft rows with num_assistant_tokens_schedule='heuristic' (each "
+            "row's draft budget +2 after a round that kept every draft, else -1)"
+        },
+    )
     threads: int = field(default=2, metadata={"help": "torch threads", "min": 1})
     seed: int = field(default=0, metadata={"help": "seed of the prompts"})
 
@@ -127,10 +134,14 @@ def lossless_rows(config: LosslessConfig) -> list[dict]:
             rows.append(dict(name=name, who="transformers", kwargs=setting, batch_1_only=True))
         else:
             name += f", verify width {w}"
-        rows.append(dict(name=name, who="ours", kwargs=setting, batch_1_only=False))
-        if config.table_drafts:
-            table = {**setting, TABLE_FIELD: True}
-            rows.append(dict(name=name + ", table drafts", who="ours", kwargs=table, batch_1_only=False))
+        variants = [("", setting)] + (
+            [(", table drafts", {**setting, TABLE_FIELD: True})] if config.table_drafts else []
+        )
+        for tag, kwargs in variants:
+            rows.append(dict(name=name + tag, who="ours", kwargs=kwargs, batch_1_only=False))
+            if config.heuristic_schedule:
+                heuristic = {**kwargs, "num_assistant_tokens_schedule": "heuristic"}
+                rows.append(dict(name=name + tag + ", heuristic", who="ours", kwargs=heuristic, batch_1_only=False))
     for e in config.exits or []:
         exit_draft = dict(assistant_early_exit=e, num_assistant_tokens=config.num_assistant_tokens)
         rows.append(dict(name=f"exit drafts @{e}", who="transformers", kwargs=exit_draft, batch_1_only=True))
