@@ -21,8 +21,10 @@ import statistics
 import time
 
 import torch
+from table_drafts_probe import own_drafts  # the row's own context, as `context_drafts` drafts it (beside this file)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from ee_transformers.draft_table import table_drafts
 from ee_transformers.speculative_early_exit import draft_vocab_head
 from ee_transformers.tools.bench.loading import heldout_prompts, make_batches
 from ee_transformers.tools.bench.timing import greedy_generation_config, without_eos
@@ -30,33 +32,16 @@ from ee_transformers.tools.bench.timing import greedy_generation_config, without
 N = 2
 
 
-def own_drafts(text, n, g=3):
-    for size in range(min(g, len(text) - 1), 0, -1):
-        tail, latest, earliest = text[-size:], None, None
-        for s in range(len(text) - size):
-            if text[s : s + size] == tail:
-                earliest = s if earliest is None else earliest
-                latest = s if s + size + n <= len(text) else latest
-        at = latest if latest is not None else earliest
-        if at is not None:
-            return text[at + size : at + size + n]
-    return []
+def stored_table_drafts(model):
+    """Drafts from the folder's stored table, by the runtime's own lookup (`draft_table.table_drafts`), for one row."""
+    keys, following, v = model.draft_table_keys, model.draft_table_next, model.config.vocab_size
 
+    def drafts(text, n):
+        tokens = torch.tensor([text])
+        out, count = table_drafts(keys, following, tokens, torch.tensor([len(text)]), torch.tensor([n]), v)
+        return out[0, : int(count[0])].tolist()
 
-def stored_table(model):
-    v = model.config.vocab_size
-    return {int(k): int(t) for k, t in zip(model.draft_table_keys, model.draft_table_next)}, v
-
-
-def table_drafts(table, text, n):
-    (entries, v), out, t = table, [], list(text)
-    for _ in range(n):
-        nxt = entries.get(t[-2] * v + t[-1], entries.get(v * v + t[-1]))
-        if nxt is None:
-            break
-        out.append(nxt)
-        t.append(nxt)
-    return out
+    return drafts
 
 
 @torch.no_grad()
@@ -104,7 +89,7 @@ def replay(seq, predictions, confidence, table, tau, prompt=64):
     """[(fed width, width above the exit)] of one row's rounds; tau None: no rejection."""
     text, target, done, rounds = list(seq[: prompt + 1]), seq[prompt + 1 :], 0, []
     while done < len(target):
-        d = own_drafts(text, N) or table_drafts(table, text, N)
+        d = own_drafts(text, N) or table(text, N)
         d = d[: len(target) - done - 1]
         kept = 0
         while kept < len(d) and d[kept] == target[done + kept]:
@@ -140,7 +125,7 @@ def main():
             out = model.generate(ids, attention_mask=mask, generation_config=config, early_exit=False)
             seqs += getattr(out, "sequences", out).tolist()
     ids = torch.tensor(seqs)
-    table = stored_table(model)
+    table = stored_table_drafts(model)
     head = draft_vocab_head(model, 8192)
     vocab_ids = model.draft_token_ids[:8192]
     for e, exit_layer in enumerate(model.config.exit_layers[:2]):

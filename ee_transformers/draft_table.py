@@ -49,20 +49,17 @@ def table_drafts(keys, following, tokens, length, budget, vocab_size: int):
     """Up to `budget[r]` `(B,)` drafts per row chained through the table from the row's last two tokens
     (`tokens[r, :length[r]]`). Returns (drafts `(B, max budget)`, counts `(B,)`: the chain stops at the first token
     the table does not continue)."""
-    size, v = int(budget.max()) if keys.numel() else 0, vocab_size
+    size, v = int(budget.max()) if keys.numel() else 0, vocab_size  # the round's one host sync
     last = tokens.gather(1, (length[:, None] - 2 + torch.arange(2, device=length.device)).clamp_min(0))  # (B, 2)
     a, b = last[:, 0], last[:, 1]
-    drafts = tokens.new_zeros(tokens.shape[0], max(size, 0))
-    going = budget > 0
-    counts = torch.zeros_like(length)
-    for i in range(size):
-        nxt = torch.full_like(b, -1)
-        for query in (v * v + b, a * v + b):  # the pair, where stored, overrides the single token
-            at = torch.searchsorted(keys, query).clamp_max(keys.numel() - 1)
-            nxt = torch.where(keys[at] == query, following[at], nxt)
-        going = going & (nxt >= 0) & (i < budget)
-        if not bool(going.any()):
-            break
+    drafts = tokens.new_zeros(tokens.shape[0], size)
+    going, counts = budget > 0, torch.zeros_like(length)
+    for i in range(size):  # a chain step for every row at once: the pair's key, then the single token's
+        query = torch.stack([a * v + b, v * v + b], dim=1)  # (B, 2)
+        at = torch.searchsorted(keys, query).clamp_max(keys.numel() - 1)
+        found = keys[at] == query
+        nxt = torch.where(found[:, 0], following[at[:, 0]], torch.where(found[:, 1], following[at[:, 1]], -1))
+        going = going & (nxt >= 0) & (i < budget)  # a chain that stopped stays stopped
         drafts[:, i] = torch.where(going, nxt, 0)
         counts += going.long()
         a, b = b, nxt.clamp_min(0)

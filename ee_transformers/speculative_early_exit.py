@@ -106,14 +106,23 @@ def _requested(name, model, generation_config, kwargs):
     return next((getattr(c, name) for c in sources if getattr(c, name, None) is not None), None)
 
 
+def _stored(name, model):
+    return getattr(getattr(model, "generation_config", None), name, None)
+
+
+def _passed(name, model, generation_config):
+    """`name` as the passed `generation_config` sets it, None where that is the model's stored value (a passed copy
+    of `model.generation_config` carries the stored settings, not settings of this call)."""
+    value = getattr(generation_config, name, None)
+    return None if value is None or value == _stored(name, model) else value
+
+
 def stored_draft_settings(model, generation_config, kwargs) -> list[str]:
-    """The draft settings (`DRAFT_SOURCES`) only `model.generation_config` sets, not this call (a passed copy of
-    `model.generation_config` holding the same value counts as stored)."""
-    stored = {n: getattr(model.generation_config, n, None) for n in DRAFT_SOURCES}
+    """The draft settings (`DRAFT_SOURCES`) only `model.generation_config` sets, not this call."""
     return [
         n
         for n in DRAFT_SOURCES
-        if n not in kwargs and stored[n] is not None and getattr(generation_config, n, None) in (None, stored[n])
+        if n not in kwargs and _passed(n, model, generation_config) is None and _stored(n, model) is not None
     ]
 
 
@@ -166,9 +175,7 @@ def our_speculative_arguments(model, generation_config, kwargs, speculative: boo
     values = {}
     for name in OUR_FIELDS:
         values[name] = _requested(name, model, generation_config, kwargs)
-        passed = getattr(generation_config, name, None)
-        stored = getattr(model.generation_config, name, None) if model.generation_config is not None else None
-        given = kwargs.pop(name, None) is not None or (passed is not None and passed != stored)
+        given = kwargs.pop(name, None) is not None or _passed(name, model, generation_config) is not None
         if not speculative and given:
             raise ValueError(
                 f"`{name}` is a setting of speculative decoding (`assistant_early_exit` or "
@@ -833,8 +840,6 @@ def _table_fill(model, batch, context, counts, budget):
     """The rows without a context match (and a budget) draft from the model's stored table instead. Returns
     (drafts, counts, which rows' drafts came from the table `(B,)`)."""
     need = (counts == 0) & (budget > 0)
-    if not bool(need.any()):
-        return context, counts, need
     keys, following = model.draft_table_keys, model.draft_table_next
     drafts, n = table_drafts(keys, following, batch.tokens, batch.length, budget * need, model.config.vocab_size)
     width = max(context.shape[1], drafts.shape[1])

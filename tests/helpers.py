@@ -96,3 +96,26 @@ def refused_before_decoding(model, match, **kwargs):
     finally:
         counter.remove()
     assert counter.calls == [0] * model.config.num_hidden_layers
+
+
+def models_per_family(base_dirs, prepare=None):
+    """`get(family)` -> (early-exit model with exits after layers 0, 1, 2, its base), each built once (for a
+    module-scoped `models` fixture); `prepare(model, base)` adds what the module's tests need (a draft vocabulary, a
+    table)."""
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            folder, base = base_dirs[family]
+            model = eet.from_base(folder, exit_layers=[0, 1, 2]).eval()
+            if prepare is not None:
+                prepare(model, base)
+            cache[family] = (model, base)
+        return cache[family]
+
+    return get
+
+
+def sliding_window(base) -> bool:
+    """Whether the base model's layers attend through a sliding window."""
+    return bool(getattr(base.config, "sliding_window", None) and getattr(base.config, "use_sliding_window", True))

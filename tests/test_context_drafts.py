@@ -4,7 +4,7 @@ any batch size."""
 import pytest
 import torch
 from conftest import LayerCalls, chi_square_p, make_base, padded_batch
-from helpers import refused_before_decoding
+from helpers import models_per_family, refused_before_decoding, sliding_window
 
 import ee_transformers as eet
 import ee_transformers.speculative_early_exit as spec
@@ -25,19 +25,7 @@ SOURCES = [  # every source alone and both together
 @pytest.fixture(scope="module")
 def models(base_dirs):
     """{family: (early-exit model, base)}, built once per module."""
-    cache = {}
-
-    def get(family):
-        if family not in cache:
-            folder, base = base_dirs[family]
-            cache[family] = (eet.from_base(folder, exit_layers=[0, 1, 2]).eval(), base)
-        return cache[family]
-
-    return get
-
-
-def _sliding(base):
-    return getattr(base.config, "sliding_window", None) and getattr(base.config, "use_sliding_window", True)
+    return models_per_family(base_dirs)
 
 
 # --- the drafts ------------------------------------------------------------------------------------------------------
@@ -84,7 +72,7 @@ def test_context_drafts_equal_full_depth_greedy(models, family, cache_implementa
     model, base = models(family)
     ids, mask = padded_batch(batch=3)
     kwargs = dict(max_new_tokens=20, do_sample=False, cache_implementation=cache_implementation)
-    if _sliding(base):  # the matrix's window (4) is shorter than the generation: refused, not decoded wrongly
+    if sliding_window(base):  # the matrix's window (4) is shorter than the generation: refused, not decoded wrongly
         with pytest.raises(ValueError, match="prompt_lookup_num_tokens.*sliding-window attention"):
             model.generate(ids, attention_mask=mask, prompt_lookup_num_tokens=3, **kwargs)
         return

@@ -4,7 +4,7 @@ table of frequent continuations, verified at full depth like every copied draft.
 import pytest
 import torch
 from conftest import LayerCalls, chi_square_p, make_base, padded_batch
-from helpers import refused_before_decoding
+from helpers import models_per_family, refused_before_decoding, sliding_window
 
 import ee_transformers as eet
 from ee_transformers.draft_table import build_draft_table, table_drafts
@@ -15,23 +15,13 @@ LAYERS = 4
 @pytest.fixture(scope="module")
 def models(base_dirs):
     """{family: (early-exit model storing a table of its base's own greedy text, base)}, built once per module."""
-    cache = {}
 
-    def get(family):
-        if family not in cache:
-            folder, base = base_dirs[family]
-            model = eet.from_base(folder, exit_layers=[0, 1, 2]).eval()
-            ids, mask = padded_batch(batch=3)
-            text = base.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
-            model.set_draft_table(text, min_count=1)  # (pads included: a table only proposes drafts)
-            cache[family] = (model, base)
-        return cache[family]
+    def store_table(model, base):
+        ids, mask = padded_batch(batch=3)
+        text = base.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
+        model.set_draft_table(text, min_count=1)  # (pads included: a table only proposes drafts)
 
-    return get
-
-
-def _sliding(base):
-    return getattr(base.config, "sliding_window", None) and getattr(base.config, "use_sliding_window", True)
+    return models_per_family(base_dirs, store_table)
 
 
 # --- the table -------------------------------------------------------------------------------------------------------
@@ -75,10 +65,14 @@ def test_table_drafts_chain_from_each_rows_last_two_tokens():
 @pytest.mark.parametrize("cache_implementation", [None, "static"])
 def test_table_drafts_equal_full_depth_greedy(models, family, cache_implementation):
     model, base = models(family)
-    if _sliding(base):  # the matrix's window is shorter than the generation: refused (test_context_drafts)
-        return
     ids, mask = padded_batch(batch=3)
     kwargs = dict(max_new_tokens=20, do_sample=False, cache_implementation=cache_implementation)
+    if sliding_window(base):  # the matrix's window (4) is shorter than the generation: refused, not decoded wrongly
+        with pytest.raises(ValueError, match="prompt_lookup_num_tokens.*sliding-window attention"):
+            model.generate(
+                ids, attention_mask=mask, prompt_lookup_num_tokens=3, speculative_table_drafts=True, **kwargs
+            )
+        return
     expected = base.generate(ids, attention_mask=mask, **kwargs)
     for source in (
         dict(prompt_lookup_num_tokens=3, max_matching_ngram_size=3),
@@ -241,11 +235,18 @@ def test_bench_lossless_times_context_rows_with_table_drafts(models):
     assert all(r["identical"] for r in report["results"])
 
 
-def test_bench_lossless_table_from_refuses_a_missing_file(models, tmp_path):
+def test_bench_lossless_table_from_a_text_file_and_a_missing_one(base_dirs, tmp_path):
+    from helpers import numbered_tokenizer
+
     from ee_transformers.tools.arguments import InputError
     from ee_transformers.tools.bench.lossless import store_table_from
 
-    model, _ = models("llama")
+    model = eet.from_base(base_dirs["llama"][0], exit_layers=[0, 1, 2]).eval()
+    text = tmp_path / "text.txt"
+    text.write_text("w5 w6 w7 w5 w6 w8 w5 w6 w7")
+    entries, tokens = store_table_from(model, numbered_tokenizer(), str(text))
+    keys, _ = build_draft_table([[5, 6, 7, 5, 6, 8, 5, 6, 7]], model.config.vocab_size)
+    assert (entries, tokens) == (keys.numel(), 9) and torch.equal(model.draft_table_keys, keys)
     with pytest.raises(InputError, match=r"`--table-from` must be 'training' or a text file"):
         store_table_from(model, None, str(tmp_path / "none.txt"))
 

@@ -4,7 +4,7 @@ folder; lossless like every draft, and the full LM head never runs while draftin
 import pytest
 import torch
 from conftest import chi_square_p, make_base, padded_batch
-from helpers import refused_before_decoding
+from helpers import models_per_family, refused_before_decoding
 from transformers import AutoModelForCausalLM
 
 import ee_transformers as eet
@@ -19,18 +19,12 @@ DRAFT_VOCAB = 40
 @pytest.fixture(scope="module")
 def models(base_dirs):
     """{family: (early-exit model with a stored draft vocabulary, base)}, built once per module."""
-    cache = {}
 
-    def get(family):
-        if family not in cache:
-            folder, base = base_dirs[family]
-            model = eet.from_base(folder, exit_layers=[0, 1, 2]).eval()
-            ids, _ = padded_batch(batch=8, length=12, seed=3)
-            model.set_draft_vocab(frequent_tokens(ids, DRAFT_VOCAB, model.config.vocab_size))
-            cache[family] = (model, base)
-        return cache[family]
+    def store_vocab(model, base):
+        ids, _ = padded_batch(batch=8, length=12, seed=3)
+        model.set_draft_vocab(frequent_tokens(ids, DRAFT_VOCAB, model.config.vocab_size))
 
-    return get
+    return models_per_family(base_dirs, store_vocab)
 
 
 def test_frequent_tokens_are_ordered_by_count_then_id():

@@ -20,7 +20,6 @@
 import argparse
 import json
 import shutil
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +27,7 @@ from pathlib import Path
 import torch
 
 from ee_transformers.tools.arguments import ArgumentParser, InputError, comma_list, run_command
-from ee_transformers.tools.assets.text import CALIBRATION_REGIONS, FIT_REGIONS, text_slice  # shared with bench-pool
+from ee_transformers.tools.assets.text import CALIBRATION_REGIONS, text_slice  # shared with bench-pool
 
 
 @dataclass(frozen=True)
@@ -681,7 +680,7 @@ def _fit_and_calibrate(args, spec, exit_layers, model_dir, novels, python_docs, 
     from ee_transformers.training.calibrate import calibration_card
     from ee_transformers.training.fit_exit_heads import save_model_folder, training_card
 
-    model, result, config, train, heldout = _fit(args, exit_layers, model_dir, novels, python_docs)
+    model, result, config, train, heldout = _fit(args, exit_layers, model_dir)
     report = _calibrate(args, model, novels, python_docs)
     data_desc = (
         f"Jane Austen's {', '.join(assets.AUSTEN_TRAIN)} and the first half of the Python manual (Debian "
@@ -709,10 +708,10 @@ def _fit_and_calibrate(args, spec, exit_layers, model_dir, novels, python_docs, 
     return model, report, result.summary()
 
 
-def _fit(args, exit_layers, model_dir, novels, python_docs):
+def _fit(args, exit_layers, model_dir):
     """Stages 2-3b: exit heads after `exit_layers` (norm + adapter), fitted by self-distillation on the training text
-    (frozen backbone), then learned confidence heads. Returns (model, fit result, its config, training blocks,
-    held-out blocks)."""
+    (frozen backbone; `assets.training_texts`), then learned confidence heads. Returns (model, fit result, its config,
+    training blocks, held-out blocks)."""
     from ee_transformers.convert import from_base
     from ee_transformers.tools import assets
     from ee_transformers.training.data import tokenize_blocks
@@ -728,9 +727,7 @@ def _fit(args, exit_layers, model_dir, novels, python_docs):
     )
     print(f"== 3. fit ({args.steps} steps, frozen backbone)")
     stage = time.perf_counter()
-    train_texts = [text_slice(novels[name], (0.0, 1.0), args.max_chars) for name in assets.AUSTEN_TRAIN]
-    train_texts.append(text_slice(python_docs, FIT_REGIONS["python"], args.max_chars))
-    blocks = tokenize_blocks(train_texts, model.tokenizer, 256)
+    blocks = tokenize_blocks(assets.training_texts(args.max_chars), model.tokenizer, 256)
     order = torch.randperm(blocks.shape[0], generator=torch.Generator().manual_seed(0))
     heldout, train = blocks[order[:8]], blocks[order[8:]]
     config = FitConfig(
@@ -744,7 +741,7 @@ def _fit(args, exit_layers, model_dir, novels, python_docs):
     result = fit_exit_heads(model, train, heldout, config)
     for layer, before, after in zip(exit_layers, result.agreement_before, result.agreement_after):
         print(f"   exit {layer:2d}: agreement with the final layer {before:.3f} -> {after:.3f}")
-    _store_draft_table(args, model, novels, python_docs)
+    _store_draft_table(args, model)
     if args.confidence_steps:
         print(f"   ({_minutes(stage)} min)")
         stage = time.perf_counter()
@@ -756,16 +753,13 @@ def _fit(args, exit_layers, model_dir, novels, python_docs):
     return model, result, config, train, heldout
 
 
-def _store_draft_table(args, model, novels, python_docs):
+def _store_draft_table(args, model):
     """The table of frequent continuations for table drafts, from the whole training text (the fit read at most
     `--max-chars` of each source; counting continuations is cheap, so the table reads all of it, except in --quick)."""
-    from ee_transformers.tools import assets
+    from ee_transformers.tools.bench.lossless import store_table_from
 
-    limit = args.max_chars if args.quick else sys.maxsize
-    texts = [text_slice(novels[name], (0.0, 1.0), limit) for name in assets.AUSTEN_TRAIN]
-    sequences = assets.token_sequences(texts + [text_slice(python_docs, FIT_REGIONS["python"], limit)], model.tokenizer)
-    entries = model.set_draft_table(sequences)
-    print(f"   draft table: {entries} continuations from {sum(map(len, sequences))} tokens of the training text")
+    entries, tokens = store_table_from(model, model.tokenizer, "training", args.max_chars if args.quick else None)
+    print(f"   draft table: {entries} continuations from {tokens} tokens of the training text")
 
 
 def _calibrate(args, model, novels, python_docs):

@@ -252,18 +252,19 @@ def format_lossless(report: dict) -> str:
     return "\n".join(lines)
 
 
-def store_table_from(model, tokenizer, source: str) -> int:
-    """Stores in `model` the draft table of `source` ('training': the main job's fitting text; else a text file);
-    returns its number of entries."""
+def store_table_from(model, tokenizer, source: str, max_chars: int | None = None) -> tuple[int, int]:
+    """Stores in `model` the draft table of `source` ('training': the main job's fitting text, at most `max_chars`
+    of each source; else a text file); returns (its entries, the tokens it was counted on)."""
     from ee_transformers.tools.assets import token_sequences, training_texts
 
     if source == "training":
-        texts = training_texts()
+        texts = training_texts(max_chars)
     elif Path(source).is_file():
         texts = [Path(source).read_text(encoding="utf-8", errors="replace")]
     else:
         raise InputError(f"`--table-from` must be 'training' or a text file, got {source!r} (no such file).")
-    return model.set_draft_table(token_sequences(texts, tokenizer))
+    sequences = token_sequences(texts, tokenizer)
+    return model.set_draft_table(sequences), sum(map(len, sequences))
 
 
 def _run(args):
@@ -284,7 +285,8 @@ def _run(args):
     ee, plain = load_models(args.model, exit_layers=None if stored else (wanted or [0]))
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     if config.table_from:
-        print(f"draft table from {config.table_from}: {store_table_from(ee, tokenizer, config.table_from)} entries")
+        entries, tokens = store_table_from(ee, tokenizer, config.table_from)
+        print(f"draft table from {config.table_from}: {entries} entries from {tokens} tokens")
     elif config.table_drafts and not ee.config.draft_table_size:
         raise InputError(
             f"`--table-drafts` needs a draft table: the folder {args.model} stores none; pass `--table-from training` "
