@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from ee_transformers.speculative_early_exit import OUR_FIELDS, TABLE_FIELD, WIDTH_FIELD
+from ee_transformers.speculative_early_exit import GATE_FIELD, OUR_FIELDS, TABLE_FIELD, WIDTH_FIELD
 from ee_transformers.tools.arguments import (
     ArgumentParser,
     InputError,
@@ -38,7 +38,8 @@ from ee_transformers.tools.arguments import (
     config_from_args,
     run_command,
 )
-from ee_transformers.tools.bench.loading import heldout_prompts, load_models, make_batches
+from ee_transformers.tools.assets.text import text_slice
+from ee_transformers.tools.bench.loading import default_text_files, heldout_prompts, load_models, make_batches
 from ee_transformers.tools.bench.timing import greedy_generation_config, only_these_drafts, without_eos
 
 __all__ = [
@@ -92,8 +93,20 @@ class LosslessConfig:
         default=None,
         metadata={
             "help": "build the draft table before timing (not saved) from 'training' (the main job's fitting text: "
-            "the five training novels, the first half of the Python manual) or a text file"
+            "the five training novels, the first half of the Python manual), 'austen' (the five novels alone), "
+            "'python' (the manual's half alone) or a text file"
         },
+    )
+    domain: str | None = field(
+        default=None,
+        metadata={
+            "help": "take every prompt from one held-out domain, 'austen' or 'python' (default: both, alternating); "
+            "with --table-from the other domain, drafts are measured on text the table was not built from"
+        },
+    )
+    gate_ablation: bool = field(
+        default=False,
+        metadata={"help": "also time each of our context-draft rows with speculative_gate=False (every round drafts)"},
     )
     heuristic_schedule: bool = field(
         default=False,
@@ -107,6 +120,8 @@ class LosslessConfig:
 
     def __post_init__(self):
         check_fields(self)
+        if self.domain not in (None, "austen", "python"):
+            raise ValueError(f"`domain` must be 'austen' or 'python', got {self.domain!r}.")
         for value in self.lookup:
             parts = value.split(":")
             if len(parts) not in (2, 3) or not all(p.isdigit() and int(p) > 0 for p in parts):
@@ -139,6 +154,9 @@ def lossless_rows(config: LosslessConfig) -> list[dict]:
         )
         for tag, kwargs in variants:
             rows.append(dict(name=name + tag, who="ours", kwargs=kwargs, batch_1_only=False))
+            if config.gate_ablation:
+                ungated = {**kwargs, GATE_FIELD: False}
+                rows.append(dict(name=name + tag + ", no gate", who="ours", kwargs=ungated, batch_1_only=False))
             if config.heuristic_schedule:
                 heuristic = {**kwargs, "num_assistant_tokens_schedule": "heuristic"}
                 rows.append(dict(name=name + tag + ", heuristic", who="ours", kwargs=heuristic, batch_1_only=False))
@@ -155,6 +173,11 @@ def lossless_rows(config: LosslessConfig) -> list[dict]:
 
 
 def _timed(model, ids, mask, generation_config, kwargs):
+    """One run. Ours starts from an empty history index: the same prompts run many times here, and a history of
+    their own earlier outputs would measure memory of the answer, not drafts on unseen text (the acceptance
+    statistics and step costs the gate learned are kept: they hold no text)."""
+    if hasattr(model, "drafter"):
+        model.drafter.history.clear()
     config = copy.deepcopy(generation_config)
     ours = {k: v for k, v in kwargs.items() if k in OUR_FIELDS}  # not GenerationConfig fields: arguments
     config.update(**{k: v for k, v in kwargs.items() if k not in ours})  # transformers deprecates mixing the two
@@ -182,7 +205,7 @@ def measure_rows(ee, plain, batches, rows, generation_config, rounds, log=print)
         reference[id(ids)] = _timed(plain, ids, mask, generation_config, {})[1].sequences
     for row in rows:  # warm-up of every row
         _timed(ee if row["who"] == "ours" else plain, *batches[0][:2], generation_config, row["kwargs"])
-    times, plain_times, forwards = ([[] for _ in rows] for _ in range(3))
+    times, plain_times, forwards, drafted, accepted = ([[] for _ in rows] for _ in range(5))
     identical = [True] * len(rows)
     for round_ in range(rounds):
         order = list(range(len(rows)))[:: 1 if round_ % 2 == 0 else -1]
@@ -196,6 +219,8 @@ def measure_rows(ee, plain, batches, rows, generation_config, rounds, log=print)
                 plain_times[i].append((before + after) / 2)
                 identical[i] &= torch.equal(out.sequences, reference[id(ids)])
                 forwards[i].append(_forwards(out, new_tokens))
+                drafted[i].append(int(out.draft_tokens.sum()) if getattr(out, "draft_tokens", None) is not None else 0)
+                accepted[i].append(int(out.accepted_tokens.sum()) if drafted[i][-1] else 0)
                 before = after
         log(f"  batch {batches[0][0].shape[0]}: round {round_ + 1}/{rounds} done")
     results = []
@@ -213,6 +238,8 @@ def measure_rows(ee, plain, batches, rows, generation_config, rounds, log=print)
                 high=max(ratios),
                 tokens_per_forward=(new_tokens - 1) / statistics.mean(forwards[i]),
                 identical=identical[i],
+                drafted=sum(drafted[i]),
+                accepted=sum(accepted[i]),
                 plain_ms_per_token=1000 * statistics.mean(plain_times[i]) / new_tokens,
             )
         )
@@ -238,13 +265,13 @@ def format_lossless(report: dict) -> str:
         return f"{r['tokens_per_forward']:.2f}" if r["who"] == "ours" else "-"
 
     lines = [
-        "| batch | mode | who | speed-up (sum) | median (min-max) | tokens / full forward | identical |",
-        "|---|---|---|---|---|---|---|",
+        "| batch | mode | who | speed-up (sum) | median (min-max) | tokens / full forward | drafts kept | identical |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in report["results"]:
         lines.append(
             f"| {r['batch_size']} | {r['name']} | {r['who']} | **{r['speedup']:.2f}x** | {r['median']:.2f}x "
-            f"({r['low']:.2f}-{r['high']:.2f}) | {per_forward(r)} | {'yes' if r['identical'] else 'NO'} |"
+            f"({r['low']:.2f}-{r['high']:.2f}) | {per_forward(r)} | {_kept(r)} | {'yes' if r['identical'] else 'NO'} |"
         )
     plain = {r["batch_size"]: r["plain_ms_per_token"] for r in report["results"]}
     lines.append("")
@@ -252,17 +279,27 @@ def format_lossless(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _kept(r):
+    if r["who"] != "ours" or "drafted" not in r:
+        return "-"
+    return f"{r['accepted']}/{r['drafted']}" if r["drafted"] else "0 (plain)"
+
+
 def store_table_from(model, tokenizer, source: str, max_chars: int | None = None) -> tuple[int, int]:
     """Stores in `model` the draft table of `source` ('training': the main job's fitting text, at most `max_chars`
-    of each source; else a text file); returns (its entries, the tokens it was counted on)."""
+    of each source; 'austen' / 'python': its novels / its manual half alone; else a text file); returns (its
+    entries, the tokens it was counted on)."""
     from ee_transformers.tools.assets import token_sequences, training_texts
 
-    if source == "training":
+    if source in ("training", "austen", "python"):
         texts = training_texts(max_chars)
+        texts = {"training": texts, "austen": texts[:-1], "python": texts[-1:]}[source]
     elif Path(source).is_file():
         texts = [Path(source).read_text(encoding="utf-8", errors="replace")]
     else:
-        raise InputError(f"`--table-from` must be 'training' or a text file, got {source!r} (no such file).")
+        raise InputError(
+            f"`--table-from` must be 'training', 'austen', 'python' or a text file, got {source!r} (no such file)."
+        )
     sequences = token_sequences(texts, tokenizer)
     return model.set_draft_table(sequences), sum(map(len, sequences))
 
@@ -292,7 +329,13 @@ def _run(args):
             f"`--table-drafts` needs a draft table: the folder {args.model} stores none; pass `--table-from training` "
             "or a text file."
         )
-    prompts = heldout_prompts(tokenizer, num_prompts=config.num_prompts, window=config.prompt_tokens, seed=config.seed)
+    texts = None
+    if config.domain:
+        path, region = default_text_files()[config.domain]
+        texts = {config.domain: text_slice(path, region, 10**9)}
+    prompts = heldout_prompts(
+        tokenizer, num_prompts=config.num_prompts, window=config.prompt_tokens, seed=config.seed, texts=texts
+    )
     report = run_lossless(ee, plain, prompts, config)
     table = format_lossless(report)
     print(table)
