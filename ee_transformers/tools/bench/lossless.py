@@ -104,6 +104,15 @@ class LosslessConfig:
             "with --table-from the other domain, drafts are measured on text the table was not built from"
         },
     )
+    workload: str = field(
+        default="heldout",
+        metadata={
+            "help": "'heldout': windows of held-out text, every run from an empty history; 'repeated': several "
+            "requests over one document (each held-out window asked --requests times, with different copy-edit "
+            "instructions), timed as whole passes in order, the history kept within a pass (emptied before it)"
+        },
+    )
+    requests: int = field(default=4, metadata={"help": "requests per document of the repeated workload", "min": 1})
     gate_ablation: bool = field(
         default=False,
         metadata={"help": "also time each of our context-draft rows with speculative_gate=False (every round drafts)"},
@@ -120,6 +129,8 @@ class LosslessConfig:
 
     def __post_init__(self):
         check_fields(self)
+        if self.workload not in ("heldout", "repeated"):
+            raise ValueError(f"`workload` must be 'heldout' or 'repeated', got {self.workload!r}.")
         if self.domain not in (None, "austen", "python"):
             raise ValueError(f"`domain` must be 'austen' or 'python', got {self.domain!r}.")
         for value in self.lookup:
@@ -172,11 +183,11 @@ def lossless_rows(config: LosslessConfig) -> list[dict]:
     return rows
 
 
-def _timed(model, ids, mask, generation_config, kwargs):
-    """One run. Ours starts from an empty history index: the same prompts run many times here, and a history of
-    their own earlier outputs would measure memory of the answer, not drafts on unseen text (the acceptance
-    statistics and step costs the gate learned are kept: they hold no text)."""
-    if hasattr(model, "drafter"):
+def _timed(model, ids, mask, generation_config, kwargs, keep_history=False):
+    """One run. Ours starts from an empty history index (unless `keep_history`): the same prompts run many times
+    here, and a history of their own earlier outputs would measure memory of the answer, not drafts on unseen text
+    (the acceptance statistics and step costs the gate learned are kept: they hold no text)."""
+    if hasattr(model, "drafter") and not keep_history:
         model.drafter.history.clear()
     config = copy.deepcopy(generation_config)
     ours = {k: v for k, v in kwargs.items() if k in OUR_FIELDS}  # not GenerationConfig fields: arguments
@@ -246,6 +257,92 @@ def measure_rows(ee, plain, batches, rows, generation_config, rounds, log=print)
     return results
 
 
+EDITS = (
+    "Copy this text exactly.",
+    "Fix the spelling mistakes in this text, if any.",
+    "Repeat the text below, word for word.",
+    "Rewrite this text with its typos corrected.",
+)
+
+
+def repeated_prompts(tokenizer, prompts, requests) -> list[dict]:
+    """Each of `prompts` (held-out windows) asked `requests` times, one copy-edit instruction (`EDITS`) each, in the
+    chat template when the tokenizer has one: document 0's requests first, then document 1's, ..."""
+    out = []
+    for prompt in prompts:
+        text = tokenizer.decode(prompt["ids"])
+        for k in range(requests):
+            message = f"{EDITS[k % len(EDITS)]}\n\n{text}"
+            if getattr(tokenizer, "chat_template", None):
+                ids = tokenizer.apply_chat_template(
+                    [{"role": "user", "content": message}], add_generation_prompt=True, tokenize=True
+                )
+                ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+            else:
+                ids = tokenizer(message + "\n\n", add_special_tokens=False)["input_ids"]
+            out.append({"domain": prompt["domain"], "ids": list(ids)})
+    return out
+
+
+def measure_workload(ee, plain, batches, rows, generation_config, rounds, log=print) -> list[dict]:
+    """Whole passes over `batches` in order, paired and interleaved like `measure_rows` (plain, row, plain, ...): a
+    pass of ours starts from an empty history index and keeps what each batch generates for the batches after it,
+    as a process serving these requests in turn would."""
+
+    def run(model, kwargs):
+        if hasattr(model, "drafter"):
+            model.drafter.history.clear()
+        seconds, outs = 0.0, []
+        for ids, mask, _ in batches:
+            t, out = _timed(model, ids, mask, generation_config, kwargs, keep_history=True)
+            seconds, outs = seconds + t, outs + [out]
+        return seconds, outs
+
+    new_tokens = generation_config.max_new_tokens
+    _, reference = run(plain, {})
+    for row in rows:  # warm-up
+        run(ee if row["who"] == "ours" else plain, row["kwargs"])
+    results = []
+    times, plain_times, stats = ([[] for _ in rows] for _ in range(3))
+    identical = [True] * len(rows)
+    for round_ in range(rounds):
+        before, _ = run(plain, {})
+        for i, row in enumerate(rows):
+            seconds, outs = run(ee if row["who"] == "ours" else plain, row["kwargs"])
+            after, _ = run(plain, {})
+            times[i].append(seconds)
+            plain_times[i].append((before + after) / 2)
+            before = after
+            identical[i] &= all(torch.equal(o.sequences, r.sequences) for o, r in zip(outs, reference))
+            stats[i] += outs
+        log(f"  repeated workload: round {round_ + 1}/{rounds} done")
+    for i, row in enumerate(rows):
+        ratios = [p / t for p, t in zip(plain_times[i], times[i])]
+        drafted = sum(int(o.draft_tokens.sum()) for o in stats[i] if getattr(o, "draft_tokens", None) is not None)
+        accepted = sum(
+            int(o.accepted_tokens.sum()) for o in stats[i] if getattr(o, "accepted_tokens", None) is not None
+        )
+        forwards = [_forwards(o, new_tokens) for o in stats[i]]
+        results.append(
+            dict(
+                name=row["name"] + ", repeated workload",
+                who=row["who"],
+                batch_size=int(batches[0][0].shape[0]),
+                kwargs=row["kwargs"],
+                speedup=sum(plain_times[i]) / sum(times[i]),
+                median=statistics.median(ratios),
+                low=min(ratios),
+                high=max(ratios),
+                tokens_per_forward=(new_tokens - 1) / statistics.mean(forwards),
+                identical=identical[i],
+                drafted=drafted,
+                accepted=accepted,
+                plain_ms_per_token=1000 * statistics.mean(plain_times[i]) / (new_tokens * len(batches)),
+            )
+        )
+    return results
+
+
 def run_lossless(ee, plain, prompts, config: LosslessConfig, log=print) -> dict:
     """Times every row against plain on the same batches of `prompts` (`[{"ids": [int]}]`, e.g. `heldout_prompts`);
     returns {"config", "results": [...]}."""
@@ -254,8 +351,12 @@ def run_lossless(ee, plain, prompts, config: LosslessConfig, log=print) -> dict:
     with without_eos(ee, plain):
         generation_config = greedy_generation_config(plain, config.new_tokens, clear_exit_settings=True)
         for batch_size in config.batch_sizes:
-            batches = make_batches(prompts, batch_size, max_batches=max(1, config.num_prompts // batch_size))
             rows = [r for r in lossless_rows(config) if batch_size == 1 or not r["batch_1_only"]]
+            if config.workload == "repeated":  # every request, in order, in batches of consecutive requests
+                batches = make_batches(prompts, batch_size, max_batches=-(-len(prompts) // batch_size))
+                results += measure_workload(ee, plain, batches, rows, generation_config, config.rounds, log)
+                continue
+            batches = make_batches(prompts, batch_size, max_batches=max(1, config.num_prompts // batch_size))
             results += measure_rows(ee, plain, batches, rows, generation_config, config.rounds, log)
     return {"config": asdict(config), "results": results}
 
@@ -336,6 +437,8 @@ def _run(args):
     prompts = heldout_prompts(
         tokenizer, num_prompts=config.num_prompts, window=config.prompt_tokens, seed=config.seed, texts=texts
     )
+    if config.workload == "repeated":
+        prompts = repeated_prompts(tokenizer, prompts, config.requests)
     report = run_lossless(ee, plain, prompts, config)
     table = format_lossless(report)
     print(table)
