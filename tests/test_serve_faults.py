@@ -72,11 +72,12 @@ def test_default_paged_cache_follows_the_model_and_serves_under_2_gib(server):
     assert text.strip()
     log = server.log_path.read_text()
     # 32 requests (--cb-max-requests) of the model's 256 positions, 1 block of 256 tokens each; 4 layers x 2 x 2 KV
-    # heads x 8 dims x 4 bytes = 512 bytes per token
+    # heads x 8 dims x 4 bytes = 512 bytes per token; steps of 1024 tokens: a mask of 1024 x (8192 + 1024) x 4 bytes
     assert "paged cache 32 blocks x 256 tokens (8192 tokens), K/V 4.0 MiB (512 bytes/token)" in log, log[-2000:]
+    assert "steps of at most 1024 tokens (--cb-max-batch-tokens), attention mask up to 36.0 MiB" in log
     state = cache_state(server)
     assert state["started"] and state["num_blocks"] == 32 and state["kv_bytes"] == 32 * 256 * 512
-    assert vm_rss(server.proc.pid) < 2 * 2**30
+    assert vm_rss(server.proc.pid) < 2 * 2**30  # (about 470 MB here; 960 MB with transformers' 8192-token steps)
 
 
 BAD = [
@@ -170,6 +171,8 @@ def test_plan_follows_the_model_lengths_and_budget():
     assert plan.bytes_per_token == 30 * 2 * 3 * 64 * 4 and plan.block_size == 256
     assert plan.num_blocks == DEFAULT_CB_MEMORY // (256 * plan.bytes_per_token) and plan.max_length == 8192
     assert "capped at 1024 MiB" in plan.line()
+    tokens = plan.num_blocks * 256  # the attention mask of 1024-token steps, not transformers' 8192
+    assert plan.max_batch_tokens == 1024 and plan.mask_bytes == 1024 * (tokens + 1024) * 4
     small = plan_paged_cache(Config(), fp32, max_requests=4, max_length=512)
     assert small.num_blocks == 4 * 2 and small.max_length == 512
     lean = plan_paged_cache(Config(), torch.bfloat16, exit_max_layer=15, num_blocks=10, block_size=16)

@@ -65,6 +65,10 @@ DRAFT_ARGUMENTS = (
 )
 DEFAULT_MAX_REQUESTS = 32
 DEFAULT_CB_MEMORY = 2**30
+# transformers' default of 8192 tokens per step makes an attention mask of 8192 x (cache tokens + 8192) that the first
+# step fills: 526 MiB resident for the tiny test folder's 8192-token cache. On a CPU a step of 1024 tokens costs about
+# what its tokens cost, so longer prefills are split in steps of 1024.
+DEFAULT_MAX_BATCH_TOKENS = 1024
 LENGTH_FIELDS = {  # per endpoint: the field of the prompt, the fields that set the completion length
     "/v1/completions": ("prompt", ("max_tokens",)),
     "/v1/chat/completions": ("messages", ("max_completion_tokens", "max_tokens")),
@@ -87,6 +91,8 @@ class CachePlan:
     bytes_per_token: int
     model_max_length: int | None
     how: str
+    max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
+    mask_bytes_per_cell: int = 4  # the attention mask: dtype bytes x masks (2 with sliding layers)
 
     @property
     def kv_bytes(self) -> int | None:
@@ -98,14 +104,23 @@ class CachePlan:
         limits = [n for n in (self.model_max_length, self.num_blocks and self.num_blocks * self.block_size) if n]
         return min(limits) if limits else None
 
-    def line(self) -> str:
+    @property
+    def mask_bytes(self) -> int | None:
+        """The attention mask transformers keeps for eager / SDPA attention: steps x (cache tokens + steps)."""
         if self.num_blocks is None:
-            return f"ee-transformers serve: paged cache sized by transformers from free memory ({self.how})"
+            return None
+        tokens = self.num_blocks * self.block_size
+        return self.max_batch_tokens * (tokens + self.max_batch_tokens) * self.mask_bytes_per_cell
+
+    def line(self) -> str:
+        step = f"steps of at most {self.max_batch_tokens} tokens (--cb-max-batch-tokens)"
+        if self.num_blocks is None:
+            return f"ee-transformers serve: paged cache sized by transformers from free memory ({self.how}); {step}"
         return (
             f"ee-transformers serve: paged cache {self.num_blocks} blocks x {self.block_size} tokens "
             f"({self.num_blocks * self.block_size} tokens), K/V {self.kv_bytes / 2**20:.1f} MiB "
-            f"({self.bytes_per_token} bytes/token); {self.how}; a request may hold {self.max_length} tokens "
-            "(prompt + max_tokens)"
+            f"({self.bytes_per_token} bytes/token); {self.how}; {step}, attention mask up to "
+            f"{self.mask_bytes / 2**20:.1f} MiB; a request may hold {self.max_length} tokens (prompt + max_tokens)"
         )
 
 
@@ -153,6 +168,7 @@ def plan_paged_cache(
     max_requests: int = DEFAULT_MAX_REQUESTS,
     max_length: int | None = None,
     memory_percent: float | None = None,
+    max_batch_tokens: int | None = None,
 ) -> CachePlan:
     """The paged cache for `--cb-*` settings: `num_blocks` as given; else as many blocks as `memory` bytes of K/V
     hold; else `max_requests` requests of `max_length` tokens (default the model's), at most `DEFAULT_CB_MEMORY`."""
@@ -167,6 +183,12 @@ def plan_paged_cache(
             raise InputError(f"--max-length {max_length} is longer than the model's maximum length ({longest}).")
         longest = max_length
     block_bytes = block_size * per_token
+    from transformers.generation.continuous_batching.cache import group_layers_by_attn_type  # noqa: PLC0415
+
+    step = dict(
+        max_batch_tokens=max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS,
+        mask_bytes_per_cell=dtype.itemsize * len(group_layers_by_attn_type(config)),
+    )
     if num_blocks is not None:
         how = f"{shape}; --cb-num-blocks {num_blocks}"
     elif memory is not None:
@@ -175,7 +197,7 @@ def plan_paged_cache(
             raise InputError(f"--cb-memory {memory} bytes holds no block of {block_size} tokens ({block_bytes} bytes).")
         how = f"{shape}; the blocks of --cb-memory {memory / 2**20:.1f} MiB"
     elif memory_percent is not None:
-        return CachePlan(block_size, None, per_token, longest, f"--cb-max-memory-percent {memory_percent}")
+        return CachePlan(block_size, None, per_token, longest, f"--cb-max-memory-percent {memory_percent}", **step)
     else:
         if longest is None:
             raise InputError("the model's config names no maximum length: pass --max-length (or --cb-num-blocks).")
@@ -185,7 +207,7 @@ def plan_paged_cache(
         how = f"{shape}; sized for {max_requests} requests of {longest} tokens (--cb-max-requests, --max-length)" + (
             f", capped at {DEFAULT_CB_MEMORY / 2**20:.0f} MiB (--cb-memory)" if cap < wanted else ""
         )
-    return CachePlan(block_size, num_blocks, per_token, longest, how)
+    return CachePlan(block_size, num_blocks, per_token, longest, how, **step)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -579,7 +601,11 @@ def add_cache_arguments(parser) -> None:
     group.add_argument(
         "--max-length", type=_positive("--max-length"), help="most tokens per request (default: the model's)"
     )
-    group.add_argument("--cb-max-batch-tokens", type=_positive("--cb-max-batch-tokens"), help="tokens per step")
+    group.add_argument(
+        "--cb-max-batch-tokens",
+        type=_positive("--cb-max-batch-tokens"),
+        help=f"most tokens per step (default {DEFAULT_MAX_BATCH_TOKENS}; transformers' 8192 keeps a larger mask)",
+    )
     group.add_argument("--cb-max-memory-percent", type=float, help="alone: transformers' sizing from free memory")
 
 
@@ -617,9 +643,9 @@ def cache_flags(plan: CachePlan, cache) -> list[str]:
         flags += ["--cb-num-blocks", str(plan.num_blocks)]
     if getattr(cache, "cb_block_size", None) is not None:  # transformers' default page size otherwise (no warning)
         flags += ["--cb-block-size", str(plan.block_size)]
-    for name in ("cb_max_batch_tokens", "cb_max_memory_percent"):
-        if getattr(cache, name, None) is not None:
-            flags += ["--" + name.replace("_", "-"), str(getattr(cache, name))]
+    flags += ["--cb-max-batch-tokens", str(plan.max_batch_tokens)]
+    if getattr(cache, "cb_max_memory_percent", None) is not None:
+        flags += ["--cb-max-memory-percent", str(cache.cb_max_memory_percent)]
     return flags
 
 
@@ -664,6 +690,7 @@ def serve(
             max_requests=getattr(cache, "cb_max_requests", None) or DEFAULT_MAX_REQUESTS,
             max_length=getattr(cache, "max_length", None),
             memory_percent=getattr(cache, "cb_max_memory_percent", None),
+            max_batch_tokens=getattr(cache, "cb_max_batch_tokens", None),
         )
         transformers_args = [*transformers_args, *cache_flags(plan, cache)]
         print(plan.line(), file=sys.stderr, flush=True)

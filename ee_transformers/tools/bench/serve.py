@@ -9,7 +9,8 @@ Each server is a child process on 127.0.0.1 (killed by its PID when its rows are
 * lean: the same with `--exit-max-layer E` (HELIOS: layers above E are not loaded, every token exits by E).
 
 Every server gets the same paged cache (`--cb-block-size`, `--cb-num-blocks`: room for the longest request of the run
-from every client at once, twice over), so their resident memory compares at one cache size. For each server, mode
+from every client at once, twice over) and the same `--cb-max-batch-tokens`, so their resident memory compares at one
+cache size. For each server, mode
 (`continuous-batching`; `sequential`: transformers' one inference thread) and number of concurrent clients C, each
 workload runs:
 
@@ -106,6 +107,9 @@ class ServeBenchConfig:
     )
     threads: int = field(default=2, metadata={"help": "torch threads of each server (OMP_NUM_THREADS)", "min": 1})
     cb_block_size: int = field(default=64, metadata={"help": "continuous batching's page size in tokens", "min": 4})
+    cb_max_batch_tokens: int = field(
+        default=1024, metadata={"help": "continuous batching's most tokens per step (every server)", "min": 1}
+    )
     check_text: bool = field(
         default=True, metadata={"help": "fail the run when a lossless server answers other text than plain"}
     )
@@ -176,6 +180,7 @@ def _server_argv(kind: str, model: str, base: str, config: ServeBenchConfig, mod
         per_request = math.ceil(config.longest_request() / config.cb_block_size) + 1
         blocks = 2 * max(config.clients) * per_request
         argv += ["--continuous-batching", "--cb-block-size", str(config.cb_block_size), "--cb-num-blocks", str(blocks)]
+        argv += ["--cb-max-batch-tokens", str(config.cb_max_batch_tokens)]
     return argv
 
 
