@@ -94,6 +94,13 @@ BAD = [
     ("completions", {"generation_config": json.dumps({"prompt_lookup_num_tokens": 3})}, "generation_config."),
     ("completions", {"generation_config": "{"}, "generation_config"),
     ("completions", {"generation_config": json.dumps({"max_new_tokens": -1})}, "generation_config.max_new_tokens"),
+    # continuous batching samples every request as the first one (greedy here) and carries no stop strings
+    (
+        "completions",
+        {"temperature": None, "generation_config": json.dumps({"do_sample": True, "temperature": 0.7})},
+        "temperature",
+    ),
+    ("completions", {"stop": ["w9"]}, "stop"),
     ("chat", {"max_tokens": -1}, "max_tokens"),
     ("chat", {"max_completion_tokens": "many"}, "max_completion_tokens"),
     ("chat", {"temperature": "hot"}, "temperature"),
@@ -116,7 +123,8 @@ def test_bad_requests_answer_400_naming_the_field_and_the_server_keeps_serving(s
         error = caught.value.body
         assert error["type"] == "invalid_request_error", (change, error)
         assert error["param"].startswith(param), (change, error)
-        assert error["param"].split(".")[-1] in error["message"] or "prompt" in error["message"], (change, error)
+        named = error["param"].split(".")[-1]
+        assert named in error["message"] or "prompt" in error["message"], (change, error)
     assert complete(server).choices[0].text == reference  # still serving, the same text
     # a request that leaves its length unset gets what fits (transformers' default 1024 would not)
     fits = complete(server, prompt=" ".join(LONG.split()[:250]), max_tokens=None)
@@ -192,7 +200,8 @@ def test_plan_follows_the_model_lengths_and_budget():
 
 def test_checks_name_the_field():
     config = Config()
-    assert request_error({"max_tokens": 4, "temperature": 0.7, "stop": ["\n"]}, config, True) is None
+    assert request_error({"max_tokens": 4, "temperature": 0.7, "stop": ["\n"]}, config, False) is None
+    assert request_error({"max_tokens": 4, "stop": ["\n"]}, config, True).param == "stop"  # batching has no stops
     assert request_error([1, 2], config, True) is None  # not an object: transformers answers 422
     cases = {
         "max_tokens": {"max_tokens": True},

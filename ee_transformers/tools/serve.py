@@ -21,7 +21,10 @@ What this adds to transformers' server, and nothing else:
   tokenized: each answers HTTP 400 naming the field (OpenAI's error body, `param` set), where transformers' server
   answers 500 with a traceback, or 200 with empty text for a negative `max_tokens`. With `--continuous-batching`,
   transformers builds one batching manager for the whole server, so the exit and draft settings are the server's; a
-  request that sets any answers 400 saying so, instead of being decoded with other settings than it asked for.
+  request that sets any answers 400 saying so, instead of being decoded with other settings than it asked for. For
+  the same reason a batched request whose sampling settings (`temperature`, `top_p`, ...) differ from the first
+  batched request's answers 400 (transformers samples every request with the first one's), and so does `stop`
+  (transformers' continuous batching stops at EOS and `max_tokens` only).
 - **disconnects free their request.** A streaming client that goes away is cancelled by transformers; a
   non-streaming one is cancelled here (its request id is known, the batching manager is told), so its paged-cache
   blocks return at the next step. `GET /v1/ee/cache` reports the paged cache (blocks, free blocks, requests in
@@ -304,6 +307,13 @@ def request_error(body, model_config, continuous_batching: bool) -> RequestRefus
         return None  # not an object: transformers' handler answers it (422)
     try:
         _check_sampling(body)
+        if continuous_batching and body.get("stop"):
+            raise RequestRefused(
+                "stop",
+                "`stop` with --continuous-batching: transformers' continuous batching stops a request at EOS or "
+                "`max_tokens` only (its requests carry no stop strings), so the strings would be ignored. Leave "
+                "`stop` out, or serve without --continuous-batching.",
+            )
         raw = body.get("generation_config")
         if raw is None:
             return None
@@ -314,6 +324,13 @@ def request_error(body, model_config, continuous_batching: bool) -> RequestRefus
         except (TypeError, ValueError) as error:
             raise RequestRefused("generation_config", f"`generation_config` is not a JSON object: {error}") from None
         _check_sampling(given, "generation_config.")
+        if continuous_batching and given.get("stop_strings"):
+            raise RequestRefused(
+                "generation_config.stop_strings",
+                "`stop_strings` with --continuous-batching: transformers' continuous batching stops a request at EOS "
+                "or `max_tokens` only, so the strings would be ignored. Leave them out, or serve without "
+                "--continuous-batching.",
+            )
         exits = sorted(k for k in given if k in EXIT_ARGUMENTS)
         drafts = sorted(k for k in given if k in DRAFT_ARGUMENTS)
         if continuous_batching and (exits or drafts):
@@ -375,6 +392,23 @@ class ServerHooks:
     def __init__(self, model_config, continuous_batching: bool, plan: CachePlan | None):
         self.model_config, self.continuous_batching, self.plan = model_config, continuous_batching, plan
         self.generation_state = None  # transformers' GenerationState, once the app is built
+        self.sampling = None  # the batching manager's sampling settings: the first batched request's
+
+    def check_sampling(self, gen_config) -> None:
+        """transformers' continuous batching decodes every request with the sampling settings of the first one
+        (`CBGenerateManager.init_cb`; only `max_tokens` and EOS are per request): a request that asks for others
+        answers 400 instead of being decoded with settings it did not ask for."""
+        asked = sampling_settings(gen_config)
+        if self.sampling is None:
+            self.sampling = asked
+        differs = [n for n in {**self.sampling, **asked} if asked.get(n) != self.sampling.get(n)]
+        if differs:
+            raise RequestRefused(
+                "temperature" if "do_sample" in differs else differs[0],
+                f"with --continuous-batching, transformers decodes every request with the sampling settings of the "
+                f"server's first request ({self.sampling}); this one asks for {asked}. Send those settings, or serve "
+                "without --continuous-batching for per-request sampling.",
+            )
 
     def cb_manager(self):
         """transformers' `ContinuousBatchingManager` of this server (None before the first batched request)."""
@@ -480,12 +514,22 @@ async def _send_json(send, status: int, payload: bytes):
     await send({"type": "http.response.body", "body": payload})
 
 
-def _length_checked(method, hooks: ServerHooks):
+def sampling_settings(gen_config) -> dict:
+    """What continuous batching samples with, as a request's `GenerationConfig` sets it (greedy: nothing else)."""
+    settings = {"do_sample": bool(gen_config.do_sample), "repetition_penalty": gen_config.repetition_penalty}
+    if settings["do_sample"]:
+        settings.update({n: getattr(gen_config, n, None) for n in ("temperature", "top_p", "top_k", "min_p")})
+    return settings
+
+
+def _length_checked(method, hooks: ServerHooks, batched: bool = False):
     """A generation manager's `generate_streaming` / `generate_non_streaming` that first refuses a prompt that does
     not fit (`length_error`), with transformers' own tokenization of the request; a request that did not set its
     completion length gets at most what fits (transformers' default is 1024 tokens)."""
 
     def check(inputs, gen_config):
+        if batched:
+            hooks.check_sampling(gen_config)
         ids = inputs["input_ids"]
         prompt = len(ids) if isinstance(ids, list) else int(ids.shape[-1])
         path, length_given = _REQUEST.get()
@@ -536,7 +580,7 @@ def install_hooks(hooks: ServerHooks) -> None:
     for cls in (utils.GenerateManager, utils.CBGenerateManager):
         for name in ("generate_streaming", "generate_non_streaming"):
             method = getattr(getattr(cls, name), "__wrapped__", getattr(cls, name))
-            setattr(cls, name, _length_checked(method, hooks))
+            setattr(cls, name, _length_checked(method, hooks, batched=cls is utils.CBGenerateManager))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
