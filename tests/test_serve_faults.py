@@ -5,6 +5,7 @@ serving with no traceback in its log (one server on 127.0.0.1 for the module, ki
 import json
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -125,6 +126,14 @@ def test_bad_requests_answer_400_naming_the_field_and_the_server_keeps_serving(s
         assert error["param"].startswith(param), (change, error)
         named = error["param"].split(".")[-1]
         assert named in error["message"] or "prompt" in error["message"], (change, error)
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{server.port}/v1/responses",
+        data=json.dumps({"model": server.model, "input": "w5", "max_output_tokens": -1}).encode(),
+        headers={"content-type": "application/json"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(request, timeout=30)
+    assert caught.value.code == 400 and json.loads(caught.value.read())["error"]["param"] == "max_output_tokens"
     assert complete(server).choices[0].text == reference  # still serving, the same text
     # a request that leaves its length unset gets what fits (transformers' default 1024 would not)
     fits = complete(server, prompt=" ".join(LONG.split()[:250]), max_tokens=None)
