@@ -240,3 +240,11 @@ def test_cache_flags_need_continuous_batching(tmp_path, capsys):
     with pytest.raises(SystemExit) as stop:
         main([str(folder), "--cb-num-blocks", "8"])
     assert stop.value.code == 2 and "--continuous-batching" in capsys.readouterr().err
+    for flags, message in [
+        (["--cb-memory", "lots"], "argument --cb-memory: must be a size in bytes"),
+        (["--cb-num-blocks", "-3"], "argument --cb-num-blocks: must be an integer >= 1"),
+        (["--cb-memory", "1000"], "--cb-memory 1000 bytes holds no block of 256 tokens"),
+    ]:
+        with pytest.raises(SystemExit) as stop:
+            main([str(folder), "--continuous-batching", *flags])
+        assert stop.value.code == 2 and message in capsys.readouterr().err

@@ -37,6 +37,7 @@ Sequential serving (no `--continuous-batching`) runs `model.generate`, so per-re
 `--continuous-batching`, exits run inside transformers' continuous batching (`paged_early_exit.py`).
 """
 
+import argparse
 import asyncio
 import contextvars
 import json
@@ -621,10 +622,17 @@ def _positive(name):
         except ValueError:
             value = 0
         if value < 1:
-            raise InputError(f"{name} must be an integer >= 1, got {text!r}.")
+            raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
         return value
 
     return parse
+
+
+def _size(text):
+    try:
+        return parse_bytes(text)
+    except InputError as error:  # argparse names the flag itself
+        raise argparse.ArgumentTypeError(str(error).removeprefix("--cb-memory ")) from None
 
 
 def add_cache_arguments(parser) -> None:
@@ -632,9 +640,7 @@ def add_cache_arguments(parser) -> None:
     group = parser.add_argument_group("paged cache (with --continuous-batching)")
     group.add_argument("--cb-block-size", type=_positive("--cb-block-size"), help="tokens per block (default 256)")
     group.add_argument("--cb-num-blocks", type=_positive("--cb-num-blocks"), help="blocks of the paged cache")
-    group.add_argument(
-        "--cb-memory", type=parse_bytes, help="bytes of K/V, e.g. 512MiB (default: see --cb-max-requests)"
-    )
+    group.add_argument("--cb-memory", type=_size, help="bytes of K/V, e.g. 512MiB (default: see --cb-max-requests)")
     group.add_argument(
         "--cb-max-requests",
         type=_positive("--cb-max-requests"),
