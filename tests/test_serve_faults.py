@@ -200,6 +200,10 @@ def test_plan_follows_the_model_lengths_and_budget():
     assert plan_paged_cache(Config(), fp32, memory_percent=0.5).num_blocks is None
     with pytest.raises(ValueError, match="--cb-memory"):
         plan_paged_cache(Config(), fp32, memory=1000)
+    with pytest.raises(ValueError, match="--cb-num-blocks and --cb-memory"):
+        plan_paged_cache(Config(), fp32, num_blocks=8, memory=2**30)
+    with pytest.raises(ValueError, match="--cb-memory and --cb-max-requests"):
+        plan_paged_cache(Config(), fp32, memory=2**30, max_requests=4)
     with pytest.raises(ValueError, match="--max-length"):
         plan_paged_cache(Config(), fp32, max_length=9000)
     assert parse_bytes("1GiB") == 2**30 and parse_bytes("1.5GB") == 1_500_000_000 and parse_bytes("4096") == 4096

@@ -169,7 +169,7 @@ def plan_paged_cache(
     block_size: int | None = None,
     num_blocks: int | None = None,
     memory: int | None = None,
-    max_requests: int = DEFAULT_MAX_REQUESTS,
+    max_requests: int | None = None,
     max_length: int | None = None,
     memory_percent: float | None = None,
     max_batch_tokens: int | None = None,
@@ -178,6 +178,11 @@ def plan_paged_cache(
     hold; else `max_requests` requests of `max_length` tokens (default the model's), at most `DEFAULT_CB_MEMORY`."""
     from transformers import ContinuousBatchingConfig  # noqa: PLC0415
 
+    sizes = [f for f, v in (("--cb-num-blocks", num_blocks), ("--cb-memory", memory)) if v is not None]
+    if len(sizes) > 1 or (sizes and max_requests is not None):
+        named = sizes + (["--cb-max-requests"] if max_requests is not None else [])
+        raise InputError(f"{' and '.join(named)} each size the paged cache: give one of them.")
+    max_requests = max_requests or DEFAULT_MAX_REQUESTS
     block_size = block_size or ContinuousBatchingConfig().page_size  # transformers' page size
     layers = config.num_hidden_layers if exit_max_layer is None else exit_max_layer + 1  # a lean model's loaded ones
     per_token, shape = kv_bytes_per_token(config, layers, dtype)
@@ -737,7 +742,7 @@ def serve(
             block_size=getattr(cache, "cb_block_size", None),
             num_blocks=getattr(cache, "cb_num_blocks", None),
             memory=getattr(cache, "cb_memory", None),
-            max_requests=getattr(cache, "cb_max_requests", None) or DEFAULT_MAX_REQUESTS,
+            max_requests=getattr(cache, "cb_max_requests", None),
             max_length=getattr(cache, "max_length", None),
             memory_percent=getattr(cache, "cb_max_memory_percent", None),
             max_batch_tokens=getattr(cache, "cb_max_batch_tokens", None),
