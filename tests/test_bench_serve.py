@@ -6,7 +6,7 @@ import json
 import pytest
 from helpers import served_folders
 
-from ee_transformers.tools.bench.serve import LOSSLESS, ServeBenchConfig, Workload, main, text_mismatches
+from ee_transformers.tools.bench.serve import LOSSLESS, ServeBenchConfig, Workload, format_serve, main, text_mismatches
 
 pytest.importorskip("openai")
 
@@ -55,6 +55,16 @@ def test_text_check_fails_lossless_rows_only():
         "stored sequential: boom",
     ]
     assert text_mismatches(rows, ("plain",)) == []
+
+
+def test_rows_compare_with_plain_at_the_same_level():
+    row = dict(mode="continuous-batching", workload="chat", clients=4, requests=8, p50_s=1, p95_s=2, same_text=8)
+    rows = [{**row, "server": "plain", "tokens_per_s": 10.0, "rss_mb": 1000}]
+    rows += [{**row, "server": "stored", "tokens_per_s": 15.0, "rss_mb": 1050}]
+    rows += [{**row, "server": "stored", "clients": 16, "tokens_per_s": 15.0, "rss_mb": 1050}]  # no plain row
+    lines = format_serve(rows).splitlines()
+    assert "| 15.0 | 1.50x |" in lines[3] and "| 1050 | 1.05x | 8/8 |" in lines[3]
+    assert "| 15.0 | - |" in lines[4] and "| 1050 | - | 8/8 |" in lines[4]
 
 
 def test_bench_serve_config_names_bad_fields():

@@ -416,9 +416,10 @@ def _row(kind, mode, workload, clients, wall, results, reference, rss):
 
 
 def format_serve(rows, header=True, all_rows=None) -> str:
-    """Markdown rows; `x plain` is tokens/s over plain's at the same mode, workload and clients (of `all_rows`)."""
+    """Markdown rows; `x plain` is tokens/s over plain's at the same mode, workload and clients (of `all_rows`),
+    `RSS x plain` the same for resident memory (both servers hold the same paged cache)."""
     plain = {
-        (r["mode"], r["workload"], r["clients"]): r["tokens_per_s"]
+        (r["mode"], r["workload"], r["clients"]): r
         for r in (all_rows or rows)
         if r["server"] == "plain" and "error" not in r
     }
@@ -426,19 +427,20 @@ def format_serve(rows, header=True, all_rows=None) -> str:
     if header:
         lines += [
             "| server | mode | workload | clients | requests | tokens/s | x plain | p50 s | p95 s | RSS MB "
-            "| same text as plain |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            "| RSS x plain | same text as plain |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['server']} | {r['mode']} | failed: {r['error'][:120]} | | | | | | | | |")
+            lines.append(f"| {r['server']} | {r['mode']} | failed: {r['error'][:120]} | | | | | | | | | |")
             continue
         base = plain.get((r["mode"], r["workload"], r["clients"]))
-        ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
+        speed = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
+        memory = f"{r['rss_mb'] / base['rss_mb']:.2f}x" if base else "-"
         lines.append(
             f"| {r['server']} | {r['mode']} | {r['workload']} | {r['clients']} | {r['requests']} | "
-            f"{r['tokens_per_s']:.1f} | {ratio} | {r['p50_s']:.2f} | {r['p95_s']:.2f} | {r['rss_mb']:.0f} | "
-            f"{r['same_text']}/{r['requests']} |"
+            f"{r['tokens_per_s']:.1f} | {speed} | {r['p50_s']:.2f} | {r['p95_s']:.2f} | {r['rss_mb']:.0f} | "
+            f"{memory} | {r['same_text']}/{r['requests']} |"
         )
     return "\n".join(lines)
 
