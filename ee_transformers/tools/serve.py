@@ -9,11 +9,12 @@ What this adds to transformers' server, and nothing else:
   that). This command puts this package's classes on the `transformers` module first.
 - **a paged cache sized from the model, not from free memory.** With `--continuous-batching` and no size given,
   transformers fills 60% of the machine's free memory with paged-cache blocks (the test suite's tiny folder held
-  7.1 GB). Here the cache holds `--cb-max-requests` requests of `--max-length` tokens (default: the model's maximum
-  length), at most `--cb-memory` bytes of K/V (default 1 GiB); `--cb-num-blocks` / `--cb-block-size` /
-  `--cb-memory` set it directly. The size is passed to transformers as its own `--cb-num-blocks` and printed at
-  start-up in one line (blocks, block size, bytes of K/V); `--cb-max-memory-percent` alone keeps transformers'
-  free-memory sizing.
+  7.1 GB). Here the cache holds `--cb-max-requests` (32) requests of `--max-length` tokens (default: the model's
+  maximum length), at most 1 GiB of K/V; `--cb-memory BYTES` (the blocks that many bytes of K/V hold) or
+  `--cb-num-blocks` size it instead, `--cb-block-size` sets the tokens per block; steps hold at most 1024 tokens
+  (`--cb-max-batch-tokens`). The size is passed to transformers as its own `--cb-num-blocks` and printed at start-up
+  in one line (blocks, block size, bytes of K/V); `--cb-max-memory-percent` alone keeps transformers' free-memory
+  sizing.
 - **requests checked before decoding.** `max_tokens` (and `max_completion_tokens`, `max_output_tokens`),
   `temperature`, `top_p`, `frequency_penalty`, `seed`, `stream`, `stop` and the exit and draft settings of the
   request's `generation_config` (a JSON string, transformers' field) are validated when the request arrives, and a
@@ -214,7 +215,7 @@ def plan_paged_cache(
         cap = max(1, DEFAULT_CB_MEMORY // block_bytes)
         num_blocks = min(wanted, cap)
         how = f"{shape}; sized for {max_requests} requests of {longest} tokens (--cb-max-requests, --max-length)" + (
-            f", capped at {DEFAULT_CB_MEMORY / 2**20:.0f} MiB (--cb-memory)" if cap < wanted else ""
+            f", capped at {DEFAULT_CB_MEMORY / 2**20:.0f} MiB (--cb-memory sizes it instead)" if cap < wanted else ""
         )
     return CachePlan(block_size, num_blocks, per_token, longest, how, **step)
 
