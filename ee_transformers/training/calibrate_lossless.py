@@ -4,7 +4,8 @@
 
 Lossless modes never change the text (greedy output is token for token full depth's), so the only question is speed,
 and speed is measured, not predicted (each candidate decodes with the gate on, as a user's call does: its rounds
-draft only where they are expected to pay, from the row's text, the history of earlier generations and the table): every candidate (context drafts `prompt_lookup_num_tokens=N` with
+draft only where they are expected to pay, from the row's text, the history of earlier generations and the table):
+every candidate (context drafts `prompt_lookup_num_tokens=N` with
 `max_matching_ngram_size=G`; with `exits`, exit-head drafts `assistant_early_exit` alone and with context drafts) is
 timed against plain greedy generate, paired and interleaved on held-out prompts, at every batch size. The candidate
 that beats full depth over the widest range of batch sizes from the smallest (the fastest at the smallest first) is
