@@ -4,6 +4,9 @@ Every invariant test that takes the `family` fixture runs over all of `FAMILIES`
 config class, the plain model class, the config fields beyond `TINY`); it unpacks as that 3-tuple too.
 """
 
+import logging
+import sys
+import warnings
 from typing import NamedTuple
 
 import pytest
@@ -28,8 +31,61 @@ from transformers import (
     Qwen3Config,
     Qwen3ForCausalLM,
 )
+from transformers.utils import logging as hf_logging
 
 torch.set_num_threads(1)
+
+
+# --- deprecated call patterns fail the suite ------------------------------------------------------------------------
+# pyproject's `filterwarnings` makes a FutureWarning / DeprecationWarning whose origin is this package or its tests an
+# error. transformers reports some deprecated call patterns through its logger instead (e.g. "Passing
+# `generation_config` together with generation-related arguments is deprecated"), once per process: this handler
+# re-issues such a record as a FutureWarning whose origin is the code that made the call (the first frame outside
+# transformers, torch and logging, and outside the runtime's `generate` methods, which pass their arguments on), so
+# the same filters judge it and `pytest.warns` can assert it; the fixture below re-arms `warning_once`.
+PASS_THROUGH = {"transformers", "torch", "logging", "functools", "contextlib", __name__}
+
+
+def _passes_on(frame) -> bool:
+    module = frame.f_globals.get("__name__", "")
+    if module.split(".")[0] in PASS_THROUGH:
+        return True
+    return module.startswith("ee_transformers.") and frame.f_code.co_name == "generate"
+
+
+class DeprecationLogToWarning(logging.Handler):
+    def emit(self, record):
+        message = record.getMessage()
+        if "deprecated" not in message:
+            return
+        frame = inner = sys._getframe(1)
+        while inner is not None and inner.f_globals.get("__name__", "").split(".")[0] in PASS_THROUGH:
+            inner = inner.f_back  # the innermost frame of ours: where the arguments reached transformers
+        while frame is not None and _passes_on(frame):
+            frame = frame.f_back
+        if frame is None:
+            warnings.warn(message, FutureWarning, stacklevel=2)
+            return
+        where = f"called at {frame.f_code.co_filename}:{frame.f_lineno}"
+        if inner is not None and inner is not frame:
+            where += f", through {inner.f_code.co_filename}:{inner.f_lineno}"
+        warnings.warn_explicit(
+            f"{message} ({where})",
+            FutureWarning,
+            frame.f_code.co_filename,
+            frame.f_lineno,
+            module=frame.f_globals.get("__name__"),
+            registry=frame.f_globals.setdefault("__warningregistry__", {}),
+        )
+
+
+hf_logging.get_logger("transformers").addHandler(DeprecationLogToWarning())
+
+
+@pytest.fixture(autouse=True)
+def _rearm_warning_once():
+    hf_logging.warning_once.cache_clear()  # a message logged "once" in an earlier test is reported again here
+
 
 TINY = dict(
     vocab_size=99,

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from ee_transformers.tools.arguments import ArgumentParser, InputError, comma_list, run_command
 from ee_transformers.tools.assets.text import CALIBRATION_REGIONS, text_slice  # shared with bench-pool
+from ee_transformers.utils.arguments import ArgumentParser, InputError, comma_list, run_command
 
 
 @dataclass(frozen=True)
@@ -186,7 +186,7 @@ def _run(args):
 def _settle_arguments(args, spec):
     """Checks the arguments and fills in the model's defaults (and `--quick`'s settings) before anything is fetched.
     Returns (the output folder's path, whether it is reused, its `OutputFolder`)."""
-    from ee_transformers.tools.outputs import OutputFolder
+    from ee_transformers.utils.outputs import OutputFolder
 
     args.exit_layers = args.exit_layers or list(spec.exit_layers)
     args.out = args.out or spec.out
@@ -241,8 +241,8 @@ def _reuse_folder(out, spec):
 def _write_evaluation(model, out, spec, model_dir, lossless, summary, evaluation):
     """The card's evaluation and the summary: an in-place update of the saved folder (the model files are carried)."""
     from ee_transformers.tools.bench.report import jsonable
-    from ee_transformers.tools.model_card import write_model_card
-    from ee_transformers.tools.outputs import OutputFolder
+    from ee_transformers.utils.model_card import write_model_card
+    from ee_transformers.utils.outputs import OutputFolder
 
     with OutputFolder(out, carry_from=out).writing("demo") as folder:
         model.generation_config.save_pretrained(folder)  # with the lossless setting calibration stored
@@ -314,9 +314,9 @@ class FullDepthTexts:
     @torch.no_grad()
     def batches(self, batch_size):
         """[(ids, mask, full-depth sequences, the full model's view of them)] at `batch_size`."""
+        from ee_transformers.measure.quality import eos_token_ids, full_model_view
+        from ee_transformers.measure.timing import greedy_generation_config
         from ee_transformers.tools import bench
-        from ee_transformers.tools.bench.timing import greedy_generation_config
-        from ee_transformers.tools.quality import eos_token_ids, full_model_view
 
         if batch_size not in self.by_batch:
             plain, eos, found = self.plain, eos_token_ids(self.plain), []
@@ -333,9 +333,9 @@ class FullDepthTexts:
 def _quality(model, reference: FullDepthTexts, batch_size, exit_kwargs):
     """The quality measures of `model.generate(**exit_kwargs)` against full depth (`reference`), untimed: the
     definitions of `tools/quality.py`, as the benchmark uses them."""
+    from ee_transformers.measure.quality import eos_token_ids, full_model_view, summarise_views
+    from ee_transformers.measure.timing import greedy_generation_config
     from ee_transformers.tools import bench
-    from ee_transformers.tools.bench.timing import greedy_generation_config
-    from ee_transformers.tools.quality import eos_token_ids, full_model_view, summarise_views
 
     plain = reference.plain
     views, plain_views, rows = [], [], []
@@ -404,8 +404,8 @@ def gains(
     on), so the screen cannot show a stored setting slower than full depth by its own measurement. When calibration
     stored full depth, the setting that came closest is shown beside it (not stored), and the lean model uses it."""
     from ee_transformers.lean_early_exit import resident_parameter_bytes
+    from ee_transformers.measure.quality import EXPLAINER
     from ee_transformers.tools import bench
-    from ee_transformers.tools.quality import EXPLAINER
 
     config = bench.BenchConfig(new_tokens=new_tokens, repeats=1 if quick else 2, max_batches=[1], warmup=not quick)
     screen = _Screen(_gib(resident_parameter_bytes(model)))
@@ -502,9 +502,9 @@ def _lossless_rows(model, plain, prompts, lossless, batch_sizes, new_tokens, wei
     """Adds (through `row`) the lossless rows: transformers' prompt lookup and `assistant_early_exit` (batch 1; they
     refuse more) and ours with the setting lossless calibration stored (or came closest with), timed on the final
     screen's prompts, not calibration's."""
+    from ee_transformers.measure.timing import greedy_generation_config, without_eos
     from ee_transformers.tools import bench
     from ee_transformers.tools.bench.lossless import measure_rows
-    from ee_transformers.tools.bench.timing import greedy_generation_config, without_eos
 
     setting = lossless["chosen"] or lossless["closest"]["kwargs"]
     shown = ", ".join(f"{k}={v}" for k, v in setting.items())
@@ -632,10 +632,10 @@ def pool_rows(models, plain, prompts, new_tokens, repeats=2, settings=POOL_SETTI
     `prompts`, at batch 1, interleaved with `plain` full depth (`bench-pool`'s workload), all decoding with the exit
     arguments `settings` (`{}`: each model's stored ones). The models are made to share the first one's backbone."""
     from ee_transformers.lean_early_exit import resident_parameter_bytes
+    from ee_transformers.measure.quality import eos_token_ids
+    from ee_transformers.measure.timing import greedy_generation_config, without_eos
     from ee_transformers.pool_early_exit import EarlyExitPool
     from ee_transformers.tools.bench import pool as bench_pool
-    from ee_transformers.tools.bench.timing import greedy_generation_config, without_eos
-    from ee_transformers.tools.quality import eos_token_ids
 
     bench_pool.share_backbone(list(models.values()))
     pool = EarlyExitPool(list(models.values()))
