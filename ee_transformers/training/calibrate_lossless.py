@@ -25,11 +25,11 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ee_transformers.speculative_early_exit import MAX_BATCH_FIELD, TABLE_FIELD, VOCAB_FIELD, WIDTH_FIELD
-from ee_transformers.tools.arguments import check_fields
-from ee_transformers.tools.bench.loading import make_batches
-from ee_transformers.tools.bench.lossless import measure_rows
-from ee_transformers.tools.bench.timing import greedy_generation_config, without_eos
+from ee_transformers.measure.loading import make_batches
+from ee_transformers.measure.lossless import measure_rows
+from ee_transformers.measure.timing import greedy_generation_config, without_eos
+from ee_transformers.request import MAX_BATCH_FIELD, TABLE_FIELD, VOCAB_FIELD, WIDTH_FIELD
+from ee_transformers.utils.arguments import check_fields
 
 __all__ = [
     "LosslessCalibrationConfig",
