@@ -8,6 +8,8 @@ Part of the Hub runtime: imports only torch, transformers and its siblings (flat
 copies these files next to the weights and `trust_remote_code=True` loads them without this package.
 """
 
+import contextlib
+import copy
 import json
 import os
 from dataclasses import dataclass
@@ -440,11 +442,30 @@ class EarlyExitMixin(ExitHeadsMixin):
                 **request.speculative,
                 **kwargs,
             )
-        if request.mode == "exits":
-            return self.decode_with_exits(inputs, generation_config, request.exit_settings, **kwargs)
-        eos = kwargs.get("eos_token_id", getattr(generation_config or self.generation_config, "eos_token_id", None))
-        out = super().generate(inputs, generation_config=generation_config, **kwargs)
+        if generation_config is not None and request.stored_off:  # a passed copy of the stored config carries them
+            generation_config = copy.deepcopy(generation_config)
+            for name in request.stored_off:
+                setattr(generation_config, name, None)
+        with self.without_stored_settings(request.stored_off):
+            if request.mode == "exits":
+                return self.decode_with_exits(inputs, generation_config, request.exit_settings, **kwargs)
+            eos = kwargs.get("eos_token_id", getattr(generation_config or self.generation_config, "eos_token_id", None))
+            out = super().generate(inputs, generation_config=generation_config, **kwargs)
         return self._with_full_depth_exit_layers(out, ids, eos)
+
+    @contextlib.contextmanager
+    def without_stored_settings(self, names):
+        """`self.generation_config` without the stored settings `names` while the block runs (the draft settings a
+        call turned off: transformers would otherwise refill them into the call's config)."""
+        config = self.generation_config
+        saved = {name: getattr(config, name) for name in names if hasattr(config, name)}
+        for name in saved:
+            setattr(config, name, None)
+        try:
+            yield
+        finally:
+            for name, value in saved.items():
+                setattr(config, name, value)
 
     def decode_with_exits(self, inputs, generation_config, settings: ExitSettings, streamer=None, **kwargs):
         """transformers' `generate` with the confident-exit loop (`early_exit_generate`) and resolved `settings`

@@ -569,13 +569,16 @@ MODES = ("full_depth", "exits", "speculative")
 class GenerationRequest:
     """What one `generate` call runs. mode: one of `MODES`; exit_settings: the resolved confident-exit settings (mode
     "exits"); speculative: our speculative arguments for `speculative_generate` (`OUR_FIELDS`, mode "speculative");
-    kwargs: the arguments transformers' `generate` is handed (our names removed, stored draft settings the call
-    turned off set to None)."""
+    kwargs: the arguments transformers' `generate` is handed (our names removed); stored_off: the stored draft
+    settings this call turned off (confident exits or full depth asked), which transformers must not see while it
+    runs (`EarlyExitMixin.generate` hides them for the call: a None in a passed config would be refilled from the
+    stored one, and None kwargs next to a passed config are a pattern transformers deprecates)."""
 
     mode: str
     kwargs: dict = field(default_factory=dict)
     exit_settings: ExitSettings | None = None
     speculative: dict = field(default_factory=dict)
+    stored_off: tuple = ()
 
 
 def exit_settings_for(model, generation_config=None, kwargs=None) -> ExitSettings | None:
@@ -645,13 +648,14 @@ def resolve_request(model, generation_config=None, kwargs=None, batch_size=None)
             )
         return GenerationRequest("speculative", kwargs, speculative=ours)
     # stored draft settings the call turned off (confident exits or full depth asked): not transformers' either
-    # (as kwargs: transformers refills a passed config's unset fields from `model.generation_config`)
-    kwargs.update(dict.fromkeys(stored_draft_settings(model, generation_config, kwargs)))
+    off = tuple(stored_draft_settings(model, generation_config, kwargs))
+    for name in off:
+        kwargs.pop(name, None)  # an explicit None of the call: its stored value is hidden instead
     settings = exit_settings_for(model, generation_config, kwargs)
     if settings is None:
-        return GenerationRequest("full_depth", kwargs)
+        return GenerationRequest("full_depth", kwargs, stored_off=off)
     refuse_with_exits(model, generation_config, kwargs)
-    return GenerationRequest("exits", kwargs, exit_settings=settings)
+    return GenerationRequest("exits", kwargs, exit_settings=settings, stored_off=off)
 
 
 __all__ = [

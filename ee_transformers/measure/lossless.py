@@ -11,11 +11,12 @@ requests in turn would.
 import copy
 import statistics
 import time
+from contextlib import nullcontext
 
 import torch
 
 from ee_transformers.measure.timing import only_these_drafts
-from ee_transformers.request import OUR_FIELDS
+from ee_transformers.request import MAX_BATCH_FIELD, OUR_FIELDS
 
 __all__ = ["measure_rows", "measure_workload"]
 
@@ -27,13 +28,14 @@ def _timed(model, ids, mask, generation_config, kwargs, keep_history=False):
     if hasattr(model, "drafter") and not keep_history:
         model.drafter.history.clear()
     config = copy.deepcopy(generation_config)
-    ours = {k: v for k, v in kwargs.items() if k in OUR_FIELDS}  # not GenerationConfig fields: arguments
+    ours = {k: v for k, v in kwargs.items() if k in OUR_FIELDS}  # not GenerationConfig fields: our loop's arguments
     config.update(**{k: v for k, v in kwargs.items() if k not in ours})  # transformers deprecates mixing the two
-    off = {k: v for k, v in only_these_drafts(kwargs).items() if v is None}  # stored draft settings not asked for
-    off.update(ours)
+    # the stored draft settings the row does not name stay out of it (hidden while it runs)
+    off = [k for k, v in only_these_drafts(kwargs).items() if v is None] + [MAX_BATCH_FIELD]
+    hidden = model.without_stored_settings(off) if hasattr(model, "without_stored_settings") else nullcontext()
     start = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, generation_config=config, **off)
+    with torch.no_grad(), hidden:
+        out = model.generate(ids, attention_mask=mask, generation_config=config, **ours)
     return time.perf_counter() - start, out
 
 
