@@ -440,6 +440,7 @@ def _calibrate(args, model, novels, python_docs):
             policy=args.policy,
             measure_speed=True,
             verify_prompts=4 if args.quick else 8,
+            verify_rounds=2,  # one search rerun with a raised target when really decoding misses it (default 3)
             progress=True,
             speed_batch_sizes=batch_sizes,
             speed_new_tokens=min(args.new_tokens, 32),
