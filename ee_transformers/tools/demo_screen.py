@@ -41,7 +41,7 @@ class FullDepthTexts:
 @torch.no_grad()
 def _quality(model, reference: FullDepthTexts, batch_size, exit_kwargs):
     """The quality measures of `model.generate(**exit_kwargs)` against full depth (`reference`), untimed: the
-    definitions of `tools/quality.py`, as the benchmark uses them."""
+    definitions of `measure/quality.py`, as the benchmark uses them."""
     from ee_transformers.measure.quality import eos_token_ids, full_model_view, summarise_views
     from ee_transformers.measure.timing import greedy_generation_config
     from ee_transformers.tools import bench
@@ -137,11 +137,13 @@ def gains(
     lines += [
         "",
         EXPLAINER,
-        "Speed: paired, interleaved ratios of decode time per token against full depth on the "
-        "same weights (median; calibrated and closest: calibration's own measurement, with its lower quartile; "
-        "the pool's rows: new tokens per second over the whole generate, interleaved with full depth in the same "
-        "run; the lossless rows: whole generates, paired with full depth, median and summed, with the share of "
-        "our drafts the full model accepted; every lossless row reproduced full depth's text exactly).",
+        "Speed: paired, interleaved ratios against full depth on the same weights (calibrated and closest: "
+        "calibration's own measurement of decode time per token, median and lower quartile; lean: decode time per "
+        "token, median; the pool's rows: new "
+        f"tokens per second over the whole generate, interleaved with full depth in the same run, on the first "
+        f"{POOL_PROMPTS} prompts; the lossless rows: whole generates, paired with full depth, median and summed, "
+        "with the share of our drafts the full model accepted; every lossless row reproduced full depth's text "
+        "exactly).",
     ]
     return lines
 
@@ -193,8 +195,8 @@ def _draft_exit(model) -> int:
     return exits[len(exits) // 2]
 
 
-# The rows that never pay on SmolLM2 (exit-head drafts: 0.2x for transformers' `assistant_early_exit`, 0.45-0.66x
-# for ours) are timed at batch 1 on this many prompts (the first of each domain), not on all of them: on all eight
+# The exit-draft rows, which do not pay on SmolLM2 (transformers' `assistant_early_exit` 0.2-0.3x, ours 0.45-0.7x),
+# are timed at batch 1 only, on this many prompts (the first of each domain): on every prompt at every batch size
 # they took a third of the final screen.
 SLOW_ROW_PROMPTS = 2
 
@@ -235,9 +237,9 @@ class _Acceptance:
 
 def _lossless_rows(model, plain, prompts, lossless, batch_sizes, new_tokens, weights, row, reference):
     """Adds (through `row`) the lossless rows: ours with the setting lossless calibration stored (or came closest
-    with), transformers' prompt lookup (batch 1; it refuses more), self-speculation from an exit and transformers'
-    `assistant_early_exit` (batch 1), timed against full depth on the final screen's prompts (not calibration's),
-    paired and interleaved; the exit-draft rows on `SLOW_ROW_PROMPTS` of them at batch 1."""
+    with) at every batch size, transformers' prompt lookup (batch 1; it refuses more), and self-speculation from an
+    exit and transformers' `assistant_early_exit` (batch 1, on `SLOW_ROW_PROMPTS` of the prompts), timed against
+    full depth on the final screen's prompts (not calibration's), paired and interleaved."""
     from ee_transformers.measure.timing import greedy_generation_config, without_eos
     from ee_transformers.speculative_early_exit import DRAFT_SOURCES, OUR_FIELDS
     from ee_transformers.tools import bench
@@ -258,11 +260,10 @@ def _lossless_rows(model, plain, prompts, lossless, batch_sizes, new_tokens, wei
         config = greedy_generation_config(plain, new_tokens, clear_exit_settings=True)
         for b in batch_sizes:
             batches = bench.make_batches(prompts, b, max(1, len(prompts) // b), device=model.device)
-            few = batches[: max(1, SLOW_ROW_PROMPTS // b)]
-            fast, slow = [rows["ours"]], [rows["exit drafts"]]
-            if b == 1:
-                fast, slow = fast + [rows["transformers"]], slow + [rows["transformers-exit"]]
-            runs = [(batches, fast + slow)] if len(few) == len(batches) else [(batches, fast), (few, slow)]
+            runs = [(batches, [rows["ours"]])]
+            if b == 1:  # transformers' rows refuse batch > 1; the exit-draft rows: see SLOW_ROW_PROMPTS
+                runs = [(batches, [rows["ours"], rows["transformers"]])]
+                runs.append((batches[:SLOW_ROW_PROMPTS], [rows["exit drafts"], rows["transformers-exit"]]))
             q_full = _quality(plain, reference, b, {})
             for timed, these in runs:
                 for r in measure_rows(ours, plain, timed, these, config, 1, log=lambda *_: None):
@@ -270,7 +271,7 @@ def _lossless_rows(model, plain, prompts, lossless, batch_sizes, new_tokens, wei
                         raise AssertionError(f"{r['who']} {r['name']} did not reproduce full depth at batch {b}.")
                     mode, meaning = _lossless_row_text(r["name"], lossless, b, setting, exit_name, layer_skip)
                     if len(timed) < len(batches):
-                        meaning += f" (timed on {len(timed) * b} of the {len(batches) * b} prompts)"
+                        meaning += f" (timed at batch 1 only, on {len(timed)} of the {len(batches)} prompts)"
                     row(
                         mode,
                         b,
@@ -368,6 +369,7 @@ POOL_SETTINGS = {"exit_criterion": "max_prob", "exit_threshold": 0.9, "exit_poli
 
 
 POOL_INTERVAL = 16
+POOL_PROMPTS = 4  # the pool's rows use the first 4 prompts (2 per domain, alternating), each interleaved once
 
 
 def _pool_lines(plain, prompts, spec, new_tokens, quick):
@@ -383,7 +385,7 @@ def _pool_lines(plain, prompts, spec, new_tokens, quick):
         f"{name}-fitted heads": bench_pool.fit_domain_model(t, spec.model_dir, exit_layers, args.pool_steps)[0].eval()
         for name, t in texts.items()
     }
-    lines = pool_rows(models, plain, prompts, new_tokens, repeats=1)  # each prompt interleaved once: 8 rounds
+    lines = pool_rows(models, plain, prompts[:POOL_PROMPTS], new_tokens, repeats=1)  # each prompt once
     print(f"   pool: {_minutes(stage)} min")
     return lines
 

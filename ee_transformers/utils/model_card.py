@@ -1,4 +1,5 @@
-"""Model cards for early-exit folders, rendered from the template in `ee_transformers/tools/model_cards/`.
+"""Model cards for early-exit folders, rendered from the template in the package `ee_transformers.model_cards`
+(the repository's `model_cards/`).
 
 The card's `base_model` and `license` describe the model the folder was built from, and come only from what that
 model says about itself (`source_card_data`): the record `ee-transformers fetch-assets` writes next to a fetched model

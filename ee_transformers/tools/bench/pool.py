@@ -10,7 +10,7 @@ with full depth, in one process.
    `--new-tokens` tokens each (EOS does not stop a row), every configuration on every prompt, interleaved, in
    `--repeats` rounds: full depth (the plain twin), `novels` alone, `python` alone, the pool of both.
 4. Report: tokens/s (total new tokens over total seconds, and per domain), the quality measures of
-   `tools/quality.py` against full depth (identical-token share scored
+   `measure/quality.py` against full depth (identical-token share scored
    up to full depth's first EOS), mean exit layer, and where the pool switched.
 
     ee-transformers bench-pool --out runs/pool-bench --steps 300
