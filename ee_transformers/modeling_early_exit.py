@@ -493,8 +493,9 @@ class EarlyExitMixin(ExitHeadsMixin):
         unused = [n for n in stored_draft_settings(self, generation_config, {}) if drafts is None or n != DRAFT_FIELD]
         if unused:
             logger.warning_once(
-                f"Continuous batching verifies context drafts (`{DRAFT_FIELD}`) only: the draft settings {unused} are "
-                "not used there (they are lossless, so the text is the same; only their speed-up is lost)."
+                f"Continuous batching does not use the stored draft settings {unused} here (it verifies context "
+                f"drafts, `{DRAFT_FIELD}`, unless the call asks for exits; they are lossless, so the text is the "
+                "same; only their speed-up is lost)."
             )
         self._cb_exit_settings = settings
         manager = super().init_continuous_batching(generation_config, cb_config, workload_hints)

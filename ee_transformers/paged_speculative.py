@@ -294,6 +294,13 @@ class PagedDrafts:
         self.contexts[state.request_id] = (state_, index, len(tokens))
         return index
 
+    def _room(self, state) -> int:
+        """The most drafts worth verifying for `state`: K, and fewer than the new tokens it may still add (a step adds
+        its accepted drafts plus one token)."""
+        if state.max_new_tokens is None:
+            return self.settings.max_drafts
+        return min(self.settings.max_drafts, state.max_new_tokens - state.generated_len() - 1)
+
     def _candidates(self, requests_in_batch):
         """Decoding requests of this step and their chains (at most K drafts, and fewer than the tokens left)."""
         out = []
@@ -302,9 +309,7 @@ class PagedDrafts:
             decoding = fs.has_new_token and fs.query_length == 1 and state.generated_len() > 0
             if not decoding or state.status != RequestStatus.DECODING:
                 continue
-            room = self.settings.max_drafts
-            if state.max_new_tokens is not None:
-                room = min(room, state.max_new_tokens - state.generated_len() - 1)  # the step adds one more token
+            room = self._room(state)
             if room <= 0:
                 continue
             index = self._context(state)
