@@ -55,6 +55,7 @@ from .configuration_early_exit import (
     EarlyExitQwen3Config,
 )
 from .draft_table import build_draft_table
+from .drafts import Drafter
 from .exit_heads import ConfidenceHead, ExitHead
 from .families import (
     FamilyAdapter,
@@ -247,6 +248,16 @@ class EarlyExitMixin(ExitHeadsMixin):
         self.config.draft_table_size = keys.numel()
         return keys.numel()
 
+    @property
+    def drafter(self) -> Drafter:
+        """This model's draft state in this process (drafts.py): the history index of earlier generations that
+        copied drafts also draw from (`drafter.history`: `num_tokens`, `nbytes`, `save(path)`, `SuffixIndex.load`,
+        `clear()`), the acceptance statistics and the step costs the gate measured. Never saved with the model."""
+        drafter = self.__dict__.get("_drafter")
+        if drafter is None:
+            drafter = self.__dict__["_drafter"] = Drafter()
+        return drafter
+
     # loading and saving -------------------------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
@@ -416,7 +427,9 @@ class EarlyExitMixin(ExitHeadsMixin):
         only the n most frequent tokens the model stores (`set_draft_vocab`), a far cheaper draft head;
         `speculative_verify_width=w` (ours) feeds context rounds at least w positions per row (fillers never
         accepted), for CPUs whose kernels are slower at 2-3 rows than at 4-8; `speculative_table_drafts=True` (ours)
-        lets the rows without a context match draft from the model's stored table (`set_draft_table`).
+        lets the rows without a context match draft from the model's stored table (`set_draft_table`);
+        `speculative_history_tokens=n` (ours) sizes the history of earlier generations copied drafts also come from
+        (0: off); `speculative_gate=False` (ours) drafts in every round, even where the gate expects no gain.
         """
         ids = inputs if inputs is not None else kwargs.get("input_ids")
         batch_size = ids.shape[0] if isinstance(ids, torch.Tensor) and ids.ndim == 2 else None

@@ -1,12 +1,12 @@
 """Lossless drafts verified inside transformers' continuous batching (`generate_batch`, `init_continuous_batching`,
 `transformers serve --continuous-batching`): turned on by `prompt_lookup_num_tokens` (K, the most drafts a request
 adds to a step) in the passed generation config or the model's stored one, `max_matching_ngram_size` as in
-transformers.
+transformers; ours as in `generate`: `speculative_table_drafts`, `speculative_history_tokens`, `speculative_gate`.
 
 A continuous-batching step packs every scheduled request's query tokens into one row: prefill chunks, and one token per
 decoding request. Here a decoding request may carry its next input token plus k drafts (copied by the model's
-`drafter` from the request's own prompt and output, or from earlier generations), packed into the same forward as the
-other requests' tokens and prefill chunks:
+`drafter`, drafts.py, from the request's own prompt and output, the history of earlier generations, or the stored
+table), packed into the same forward as the other requests' tokens and prefill chunks:
 
     prepare   the scheduler has picked the step's requests and their cache blocks; each decoding request asks the
               drafter for a chain (tokens, and the estimated probability that drafts 0..i are all accepted), and
@@ -58,19 +58,29 @@ from transformers.generation.continuous_batching.cache import group_layers_by_at
 from transformers.generation.continuous_batching.requests import RequestStatus
 from transformers.utils import logging
 
-from .drafts import Drafter, SuffixIndex, plan_packed
+from .drafts import DEFAULT_HISTORY_TOKENS, MAX_MATCH, SuffixIndex, plan_packed
 
 logger = logging.get_logger(__name__)
 
 DRAFT_FIELD = "prompt_lookup_num_tokens"  # transformers' field: the most drafts per request and step
-NGRAM_FIELD = "max_matching_ngram_size"  # transformers' field: the longest n-gram matched
-SUFFIX_TOKENS = 16  # the request's last tokens handed to the drafter as the suffix to match
+NGRAM_FIELD = "max_matching_ngram_size"  # transformers' field: the longest n-gram matched in the request's text
+TABLE_FIELD = "speculative_table_drafts"  # ours: requests without a match also draft from the stored table
+HISTORY_FIELD = "speculative_history_tokens"  # ours: the history index's token budget (0: no history drafts)
+GATE_FIELD = "speculative_gate"  # ours: False drafts every step, even where the plan expects no gain
+NOT_PACKED = ("speculative_verify_width", "assistant_vocab_size")  # ours, for generate's padded / exit-head rounds
 
 
 @dataclass(frozen=True)
 class PagedDraftSettings:
+    """max_drafts: K, the most drafts per request and step; ngram_size: the longest n-gram matched in a request's own
+    text; table: draft from the model's stored table where nothing else matches; history: the budget (tokens) of the
+    history index of earlier generations (0: off); gate: choose the drafts with `plan_packed` (False: up to K)."""
+
     max_drafts: int
     ngram_size: int = 2  # transformers' prompt-lookup default
+    table: bool = False
+    history: int = DEFAULT_HISTORY_TOKENS
+    gate: bool = True
 
 
 def _setting(name, model, generation_config):
@@ -81,17 +91,45 @@ def _setting(name, model, generation_config):
     return None
 
 
+def _is_count(value, least):
+    return not isinstance(value, bool) and isinstance(value, int) and value >= least
+
+
 def paged_draft_settings(model, generation_config=None) -> PagedDraftSettings | None:
-    """The draft settings continuous batching uses (`generation_config` over `model.generation_config`), None when
-    `prompt_lookup_num_tokens` is unset."""
-    k, n = _setting(DRAFT_FIELD, model, generation_config), _setting(NGRAM_FIELD, model, generation_config)
+    """The draft settings continuous batching uses (each from `generation_config`, else `model.generation_config`),
+    None when `prompt_lookup_num_tokens` is unset. Raises a `ValueError` naming a bad setting."""
+    get = lambda name: _setting(name, model, generation_config)  # noqa: E731
+    k, n, table, history, gate = (get(f) for f in (DRAFT_FIELD, NGRAM_FIELD, TABLE_FIELD, HISTORY_FIELD, GATE_FIELD))
     if k is None:
         return None
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+    if not _is_count(k, 1):
         raise ValueError(f"`{DRAFT_FIELD}` must be an integer >= 1 or None, got {k!r}.")
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+    if n is not None and not _is_count(n, 1):
         raise ValueError(f"`{NGRAM_FIELD}` must be an integer >= 1 or None, got {n!r}.")
-    return PagedDraftSettings(k, n if n is not None else 2)
+    if table is not None and not isinstance(table, bool):
+        raise ValueError(f"`{TABLE_FIELD}` must be True, False or None, got {table!r}.")
+    if table and not getattr(model.config, "draft_table_size", 0):
+        raise ValueError(
+            f"`{TABLE_FIELD}=True` needs a draft table stored in the model (`config.draft_table_size`), which has "
+            "none: store one with `model.set_draft_table(blocks)`."
+        )
+    if history is not None and not _is_count(history, 0):
+        raise ValueError(f"`{HISTORY_FIELD}` must be an integer >= 0 (0: no history drafts) or None, got {history!r}.")
+    if gate is not None and not isinstance(gate, bool):
+        raise ValueError(f"`{GATE_FIELD}` must be True, False or None, got {gate!r}.")
+    unused = [f for f in NOT_PACKED if get(f) is not None]
+    if unused:
+        logger.warning_once(
+            f"Continuous batching packs drafts without padding and drafts by copying only: {unused} do not apply "
+            "there and are not used."
+        )
+    return PagedDraftSettings(
+        k,
+        2 if n is None else n,
+        bool(table),
+        DEFAULT_HISTORY_TOKENS if history is None else history,
+        True if gate is None else gate,
+    )
 
 
 def check_paged_drafts(model, generation_config, cb_config):
@@ -242,14 +280,6 @@ def record_paged_drafts(model):
         model._paged_draft_trace = None
 
 
-def drafter_of(model, settings: PagedDraftSettings):
-    """The model's drafter (one per model and process: its history and step costs outlive a manager)."""
-    drafter = getattr(model, "drafter", None)
-    if drafter is None:
-        drafter = model.drafter = Drafter(settings.ngram_size)
-    return drafter
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # the batch processor's wrapped steps
 # ---------------------------------------------------------------------------------------------------------------------
@@ -268,7 +298,11 @@ class PagedDrafts:
 
     def __init__(self, model, settings: PagedDraftSettings, processor):
         self.model, self.settings, self.processor = model, settings, processor
-        self.drafter = drafter_of(model, settings)
+        self.drafter = drafter = model.drafter  # one per model and process: history, acceptance, step costs
+        if settings.table:
+            drafter.use_table(model.draft_table_keys, model.draft_table_next, model.config.vocab_size)
+        if settings.history:
+            drafter.history.resize(settings.history)
         self.contexts = {}  # request id -> (its RequestState, its SuffixIndex, tokens indexed)
         self.step = {}  # request id -> _Drafted, for the current step (empty: a plain step)
         io = processor.inputs_and_outputs
@@ -312,9 +346,8 @@ class PagedDrafts:
             room = self._room(state)
             if room <= 0:
                 continue
-            index = self._context(state)
-            suffix = (state.initial_tokens + state.generated_tokens)[-SUFFIX_TOKENS:]
-            chain = self.drafter.propose(context=index, suffix=suffix, max_drafts=room)
+            index, s = self._context(state), self.settings
+            chain = self.drafter.propose(index, index.tail(MAX_MATCH), room, history=s.history > 0, table=s.table)
             if chain is not None and chain.tokens:
                 out.append((fs, chain))
         return out
@@ -326,7 +359,10 @@ class PagedDrafts:
         self.step = {}
         candidates = self._candidates(requests_in_batch)
         if candidates:
-            ks = plan_packed([list(c.probs) for _, c in candidates], num_q_tokens, self.cost)
+            if self.settings.gate:
+                ks = plan_packed([list(c.probs) for _, c in candidates], num_q_tokens, self.cost)
+            else:
+                ks = [len(c.tokens) for _, c in candidates]
             budget = self.processor.max_batch_tokens - num_q_tokens  # the static inputs hold this many tokens
             for (fs, chain), k in zip(candidates, ks):
                 k = min(int(k), budget, len(chain.tokens))
@@ -430,12 +466,7 @@ class PagedDrafts:
             drafted = self.step.get(state.request_id)
             if drafted is not None:
                 accepted = len(drafted.tokens) - 1
-                self.drafter.observe(
-                    dataclasses.replace(
-                        drafted.chain, tokens=drafted.chain.tokens[: drafted.k], probs=drafted.chain.probs[: drafted.k]
-                    ),
-                    accepted,
-                )
+                self.drafter.observe(drafted.chain, accepted, drafted=drafted.k)
                 if trace is not None:
                     counts = trace.requests.setdefault(state.request_id, [0, 0])
                     counts[0], counts[1] = counts[0] + drafted.k, counts[1] + accepted
@@ -454,9 +485,10 @@ class PagedDrafts:
                         give_back(processor.cache, state.request_id, state.position_offset)
                     if accepted and (state.streaming or finished):
                         pending.append(state.to_generation_output())
-            if state.status == RequestStatus.FINISHED:  # its tokens enter the drafter's history
+            if state.status == RequestStatus.FINISHED:
                 self.contexts.pop(state.request_id, None)
-                self.drafter.finish(state.to_generation_output().generated_tokens)
+                if self.settings.history:  # its tokens enter the drafter's history
+                    self.drafter.finish(state.to_generation_output().generated_tokens)
         self.step = {}
         if pending:
             processor.output_router.deliver_batch(pending)

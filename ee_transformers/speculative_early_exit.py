@@ -19,7 +19,10 @@ the exit head drafts from the n most frequent tokens the model stores (`set_draf
 n / V of the full head's cost); `speculative_verify_width=w`, a context round that verifies drafts feeds at least w
 positions per row (fillers after the drafts, never accepted), for CPUs whose kernels are slower at 2-3 rows than at 8.
 A third, `speculative_table_drafts=True`: a row whose own text offers no match drafts from the table of frequent
-continuations the model stores (`set_draft_table`, draft_table.py), verified like every copied draft.
+continuations the model stores (`set_draft_table`, draft_table.py), verified like every copied draft. Copied drafts
+also come from the history of earlier generations (`speculative_history_tokens`, the index's budget; 0: off), and a
+gate decodes plainly where a wider round would not pay (`speculative_gate`; drafts.py: which drafts a row gets and
+whether a round pays, the same heart continuous batching calls).
 
 `assistant_early_exit`, `num_assistant_tokens`, `num_assistant_tokens_schedule` and `assistant_confidence_threshold` are
 transformers' GenerationConfig fields, with transformers' meaning and defaults (20 drafts, "constant", 0.4); stored in
@@ -30,8 +33,8 @@ output), its own step being a prefill at full depth (`prefill_full_depth`), then
 exit layer (`assistant_early_exit - 1`, one of `config.exit_layers`), L the number of decoder layers, k the number of
 drafts of a round.
 
-One round, all rows at once (context drafts: `context_drafts` copies each row's drafts from the tokens that followed
-an earlier occurrence of its last n-gram; when no active row needs the exit head, the round feeds every row's last
+One round, all rows at once (context drafts: `copied_drafts` copies each row's drafts from the tokens that followed
+an earlier occurrence of its last tokens, in its own text, earlier generations or the stored table; when no active row needs the exit head, the round feeds every row's last
 token and drafts, fillers after a row's own, through ALL layers in one forward, and `verify` starts at layer 0):
 
     draft_step  the row's last token, then each draft, runs layers 0..E once: its K/V there are written for good and
@@ -69,9 +72,11 @@ from torch import nn
 from torch.profiler import record_function
 from transformers.utils import logging
 
+import time
+
 from .decode_core import deprecated_aliases, run_layers
 from .decode_loop import DecodeLoop, require_cache
-from .draft_table import table_drafts
+from .drafts import DEFAULT_HISTORY_TOKENS, MAX_MATCH, SuffixIndex, pace_setters, plan_padded
 from .generation_early_exit import EXIT_ARGUMENTS, GenerateEarlyExitOutput
 from .lean_early_exit import _is_int, is_lean
 
@@ -90,10 +95,16 @@ VOCAB_FIELD = "assistant_vocab_size"
 WIDTH_FIELD = "speculative_verify_width"
 # ours: rows without a context match draft from the model's stored table of frequent continuations
 TABLE_FIELD = "speculative_table_drafts"
+# ours: the token budget of the model's history index of earlier generations (0: no history drafts)
+HISTORY_FIELD = "speculative_history_tokens"
+# ours: a round drafts only where the expected accepted tokens pay for the wider verification (False: always)
+GATE_FIELD = "speculative_gate"
 OUR_FIELDS = (
     VOCAB_FIELD,
     WIDTH_FIELD,
     TABLE_FIELD,
+    HISTORY_FIELD,
+    GATE_FIELD,
 )  # not transformers' GenerationConfig fields: passed to the loop as arguments
 
 
@@ -195,7 +206,8 @@ class SpeculativeSettings:
     exit head when its draft's confidence falls below it (0: never); vocab_size: the exit head drafts from the
     model's `vocab_size` most frequent stored tokens only (0: the full vocabulary); verify_width: a context round
     that verifies drafts feeds at least this many positions per row (0: as many as the drafts need); table: rows
-    without a context match draft from the model's stored table (`draft_table.py`)."""
+    without a context match draft from the model's stored table (`draft_table.py`); history: the budget of the
+    model's history index of earlier generations (0: off); gate: rounds draft only where they are expected to pay."""
 
     exit_layer: int | None
     exit_index: int | None
@@ -207,6 +219,8 @@ class SpeculativeSettings:
     vocab_size: int = 0
     verify_width: int = 0
     table: bool = False
+    history: int = 0
+    gate: bool = True
 
     @property
     def mode(self) -> str:
@@ -291,6 +305,26 @@ def _resolve_table(model, value, lookup_tokens) -> bool:
     return True
 
 
+def _resolve_history(value, lookup_tokens) -> int:
+    """The history index's budget of `speculative_history_tokens=value` (None: the default wherever context drafts
+    are on)."""
+    if value is None:
+        return DEFAULT_HISTORY_TOKENS if lookup_tokens else 0
+    if not _is_int(value) or value < 0:
+        raise ValueError(f"`{HISTORY_FIELD}` must be an integer >= 0 (0: no history drafts) or None, got {value!r}.")
+    if value and not lookup_tokens:
+        raise ValueError(f"`{HISTORY_FIELD}` sizes the history of copied drafts and needs `prompt_lookup_num_tokens`.")
+    return int(value)
+
+
+def _resolve_gate(value) -> bool:
+    if value is None:
+        return True
+    if not isinstance(value, bool):
+        raise ValueError(f"`{GATE_FIELD}` must be True, False or None, got {value!r}.")
+    return value
+
+
 def _refuse_unsupported(model, generation_config, mode):
     config = model.config
     if (generation_config.num_beams or 1) > 1:
@@ -315,10 +349,11 @@ def _refuse_unsupported(model, generation_config, mode):
 
 
 def resolve_speculative_settings(
-    model, generation_config, vocab_size=None, verify_width=None, table=None
+    model, generation_config, vocab_size=None, verify_width=None, table=None, history=None, gate=None
 ) -> SpeculativeSettings:
     """Settings from a prepared `GenerationConfig` (transformers' defaults filled in), `assistant_vocab_size`,
-    `speculative_verify_width` and `speculative_table_drafts`. Raises a `ValueError` naming the argument, the bad
+    `speculative_verify_width`, `speculative_table_drafts`, `speculative_history_tokens` and `speculative_gate`.
+    Raises a `ValueError` naming the argument, the bad
     value and the allowed values, or what the mode cannot do."""
     exit_layer, exit_index = _resolve_exit_draft(model, generation_config.assistant_early_exit)
     lookup = generation_config.prompt_lookup_num_tokens
@@ -343,6 +378,8 @@ def resolve_speculative_settings(
         _resolve_draft_vocab(model, vocab_size, exit_layer),
         _resolve_verify_width(verify_width, lookup),
         _resolve_table(model, table, lookup),
+        _resolve_history(history, lookup),
+        _resolve_gate(gate),
     )  # a heuristic K never outlives the call here
     if not settings.mode:
         raise ValueError("Speculative decoding needs `assistant_early_exit` or `prompt_lookup_num_tokens`.")
@@ -543,35 +580,59 @@ class RaggedBatch:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# context drafts (prompt lookup)
+# copied drafts (the row's text, the history of earlier generations, the stored table: drafts.py)
 # ---------------------------------------------------------------------------------------------------------------------
-def context_drafts(batch, budget, ngram_size):
-    """Drafts copied from each row's own text (prompt + generated): the tokens that followed an earlier occurrence of
-    the row's last g tokens, for the largest g <= `ngram_size` that occurs, at most `budget[r]` of them (the latest
-    occurrence followed by `budget[r]` tokens, else the earliest, whose continuation is the longest).
-    Returns (drafts `(B, max budget)`, counts `(B,)`; 0 where the row's text offers no match)."""
-    width, size = int(batch.length.max()), int(budget.max())
-    tokens, length, device = batch.tokens, batch.length, batch.length.device
-    drafts = tokens.new_zeros(batch.batch_size, size)
-    counts = torch.zeros_like(length)
-    if size == 0:
-        return drafts, counts
-    for g in range(min(ngram_size, width - 1), 0, -1):
-        tail = tokens.gather(1, (length[:, None] - g + torch.arange(g, device=device)).clamp_min(0))  # (B, g)
-        hit = (tokens[:, :width].unfold(1, g, 1) == tail[:, None]).all(-1)  # (B, width - g + 1): window at s
-        start = torch.arange(hit.shape[1], device=device)
-        # inside the row, and followed by at least one token of it (the tail itself is not a match)
-        hit &= (start >= batch.first[:, None]) & (start + g < length[:, None]) & (counts == 0)[:, None]
-        # the latest match followed by a whole budget of tokens, else the earliest (the longest continuation)
-        whole = hit & (start + g + budget[:, None] <= length[:, None])
-        latest = torch.where(whole, start, -1).amax(-1)
-        earliest = torch.where(hit, start, hit.shape[1]).amin(-1)
-        found = hit.any(-1)
-        at = torch.where(latest >= 0, latest, earliest) + g  # the first token after the match
-        index = (at[:, None] + torch.arange(size, device=device)).clamp(0, tokens.shape[1] - 1)
-        drafts = torch.where(found[:, None], tokens.gather(1, index), drafts)
-        counts = torch.where(found, torch.minimum(length - at, budget), counts)
-    return drafts, counts
+class RowTexts:
+    """Each row's own text as a `drafts.SuffixIndex`: its prompt (without left padding), then what it commits."""
+
+    def __init__(self, batch, ngram_size):
+        first, prompt = batch.first.tolist(), batch.tokens[:, : batch.prompt_length].tolist()
+        self.rows = [SuffixIndex(ngram_size) for _ in first]
+        for row, tokens, start in zip(self.rows, prompt, first):
+            row.extend(tokens[start:])
+        self.seen = [batch.prompt_length] * len(first)
+
+    def sync(self, batch) -> None:
+        """Indexes the tokens each row committed since the last call (one host transfer)."""
+        length = batch.length.tolist()
+        lo, hi = min(self.seen), max(length)
+        if hi <= lo:
+            return
+        new = batch.tokens[:, lo:hi].tolist()
+        for r, (row, seen, n) in enumerate(zip(self.rows, self.seen, length)):
+            if n > seen:
+                row.extend(new[r][seen - lo : n - lo])
+        self.seen = length
+
+    def generated(self, batch) -> list[list[int]]:
+        """Each row's generated tokens (the history's documents)."""
+        tokens, start = batch.tokens.tolist(), batch.prompt_length
+        return [t[start:n] for t, n in zip(tokens, batch.length.tolist())]
+
+
+def copied_drafts(model, settings, texts, budget):
+    """Each row's best chain of copied drafts (`Drafter.propose`: its own text, the history, the stored table),
+    at most `budget[r]` tokens; None where no source offers one or the budget is 0."""
+    drafter = model.drafter
+    if settings.table:
+        drafter.use_table(model.draft_table_keys, model.draft_table_next, model.config.vocab_size)
+    if settings.history:
+        drafter.history.resize(settings.history)
+    return [
+        drafter.propose(row, row.tail(MAX_MATCH), n, history=settings.history > 0, table=settings.table) if n else None
+        for row, n in zip(texts.rows, budget.tolist())
+    ]
+
+
+def _chain_tensors(chains, k, like):
+    """(drafts `(B, k)`, counts `(B,)`, from the table `(B,)`, from the history `(B,)`) of the chains cut at k."""
+    tokens = [(c.tokens[:k] if c is not None else []) for c in chains]
+    drafts = torch.tensor([t + [0] * (k - len(t)) for t in tokens], dtype=like.dtype).reshape(len(chains), k)
+    counts = torch.tensor([len(t) for t in tokens], dtype=torch.long, device=like.device)
+    source = [None if c is None or not t else c.source for c, t in zip(chains, tokens)]
+    table = torch.tensor([s == "table" for s in source], device=like.device)
+    history = torch.tensor([s == "history" for s in source], device=like.device)
+    return drafts.to(like.device), counts, table, history
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -700,8 +761,10 @@ class GenerateSpeculativeOutput(GenerateEarlyExitOutput):
     `exit_layers` is `num_hidden_layers - 1` for every token, -1 after a row's end), plus per row `(batch,)`:
     `draft_tokens` (drafts verified for the row), `accepted_tokens` (those it kept), `verify_rounds` (rounds it took
     part in), `context_draft_tokens` / `context_accepted_tokens` (the share of those two copied, from the row's text
-    or the table), `table_draft_tokens` / `table_accepted_tokens` (the share of those from the table); and
-    `draft_lengths` `(rounds,)`: the positions drafted in each round (batch-wide). A round gives a row its accepted
+    the history or the table), `table_draft_tokens` / `table_accepted_tokens` and `history_draft_tokens` /
+    `history_accepted_tokens` (the shares of those from the table and from earlier generations); and
+    `draft_lengths` `(rounds,)`: the positions drafted in each round (batch-wide; 0: a plain step, where the gate
+    found that no draft would pay). A round gives a row its accepted
     drafts plus one token of the full model, unless a stop comes first.
 
     `scores` / `logits`: per generated token, the full model's processed / raw scores (zeros after a row's end, where
@@ -717,6 +780,8 @@ class GenerateSpeculativeOutput(GenerateEarlyExitOutput):
     context_accepted_tokens: torch.LongTensor | None = None
     table_draft_tokens: torch.LongTensor | None = None
     table_accepted_tokens: torch.LongTensor | None = None
+    history_draft_tokens: torch.LongTensor | None = None
+    history_accepted_tokens: torch.LongTensor | None = None
 
     @property
     def acceptance_rate(self) -> torch.Tensor:
@@ -744,7 +809,8 @@ class _Round:
     """What one round fed and drafted. states: `(R, k+1, D)` the live rows' residual entering verification (leaving
     layer `start`; -1: the embeddings); drafts / valid: `(B, k)` the drafted tokens and which of them are drafts (not
     fillers); q: `(B, k, V)` the draft distributions (sampling only); context: `(B,)` leading copied drafts (from
-    the row's text, or from the table); table: `(B,)` whether a row's copied drafts came from the table."""
+    the row's text, the history or the table); table / history: `(B,)` whether a row's copied drafts came from the
+    table / the history index; chains: each row's `drafts.Chain` (None: no copied drafts)."""
 
     start: int
     states: torch.Tensor
@@ -753,6 +819,8 @@ class _Round:
     q: torch.Tensor | None
     context: torch.Tensor
     table: torch.Tensor | None = None
+    history: torch.Tensor | None = None
+    chains: list | None = None
 
 
 def _point_mass(drafts, valid, vocab_size):
@@ -810,52 +878,47 @@ def _exit_round(model, settings, batch, cache, k, drafting, context, counts, log
     return _Round(settings.exit_layer, torch.cat(states, dim=1), drafts, None, q, counts.clamp(max=k))
 
 
-def _plan(model, settings, batch, active, budgets, capacity, cache):
-    """This round's drafts: (context drafts, their counts, k, whether the exit head drafts) for the active rows."""
+def _plan(model, settings, batch, texts, active, budgets, capacity, cache):
+    """This round's drafts: (context drafts, their counts, k, whether the exit head drafts, from the table, from the
+    history, the chains) for the active rows. Without exit drafts the gate picks k (`drafts.plan_padded`: 0 decodes
+    this round plainly)."""
     room = (batch.max_length - batch.length - 1).clamp_min(0) * active  # drafts beyond it could never be committed
-    table = torch.zeros_like(active)
+    chains = [None] * batch.batch_size
     if settings.lookup_tokens:
-        budget = torch.minimum(budgets["context"], room)
-        context, counts = context_drafts(batch, budget, settings.ngram_size)
-        if settings.table:
-            context, counts, table = _table_fill(model, batch, context, counts, budget)
-    else:
-        context, counts = batch.tokens.new_zeros(batch.batch_size, 0), torch.zeros_like(room)
-    use_exit = settings.exit_layer is not None and bool((active & (counts == 0)).any())
-    k = int(counts.max())
+        chains = copied_drafts(model, settings, texts, torch.minimum(budgets["context"], room))
+    widest = max((len(c.tokens) for c in chains if c is not None), default=0)
+    use_exit = settings.exit_layer is not None and any(c is None for c, a in zip(chains, active.tolist()) if a)
+    k = widest
+    if settings.gate and not use_exit and widest:
+        rows = batch.live.numel()
+        pace = pace_setters(batch.length.tolist(), active.tolist())
+        cost = lambda width: model.drafter.costs.cost(("context", rows, width))  # noqa: E731
+        k = plan_padded([c.probs if c is not None else [] for c in chains], pace, cost)
+    context, counts, table, history = _chain_tensors(chains, k, batch.tokens)
     if use_exit:
         k = max(k, min(int(budgets["exit"][active].max()), int(room.max())))
     elif k and settings.verify_width > k + 1:  # fillers after the drafts, never accepted: a wider, cheaper forward
         k = max(k, min(settings.verify_width - 1, int(room.max())))
-        context = nn.functional.pad(context, (0, max(k - context.shape[1], 0)))
+    context = nn.functional.pad(context, (0, max(k - context.shape[1], 0)))
     batch.retire(cache, active)
     if batch.wants_compaction(capacity, k + 1, active):
         batch.compact(cache, active)
     if capacity > 0:
         k = max(min(k, capacity - batch.slots.shape[1] - 1), 0)
-    return context, counts.clamp(max=k), k, use_exit, table
+    return context, counts.clamp(max=k), k, use_exit, table, history, chains
 
 
-def _table_fill(model, batch, context, counts, budget):
-    """The rows without a context match (and a budget) draft from the model's stored table instead. Returns
-    (drafts, counts, which rows' drafts came from the table `(B,)`)."""
-    need = (counts == 0) & (budget > 0)
-    keys, following = model.draft_table_keys, model.draft_table_next
-    drafts, n = table_drafts(keys, following, batch.tokens, batch.length, budget * need, model.config.vocab_size)
-    width = max(context.shape[1], drafts.shape[1])
-    context, drafts = (nn.functional.pad(t, (0, width - t.shape[1])) for t in (context, drafts))
-    return torch.where(need[:, None], drafts, context), torch.where(need, n, counts), need & (n > 0)
-
-
-def _draft(model, settings, batch, cache, active, budgets, capacity, logits_processor, sample):
-    context, counts, k, use_exit, table = _plan(model, settings, batch, active, budgets, capacity, cache)
+def _draft(model, settings, batch, texts, cache, active, budgets, capacity, logits_processor, sample):
+    context, counts, k, use_exit, table, history, chains = _plan(
+        model, settings, batch, texts, active, budgets, capacity, cache
+    )
     if not use_exit:
         r = _context_round(model, batch, context, counts, k, sample)
     else:
         r = _exit_round(
             model, settings, batch, cache, k, active.clone(), context, counts, logits_processor, sample, budgets["exit"]
         )
-    r.table = table
+    r.table, r.history, r.chains = table, history, chains
     return r
 
 
@@ -930,7 +993,7 @@ class _RoundStats:
         self.settings, self.steps, self.draft_lengths = settings, steps, []
         self.totals = {
             n: torch.zeros(size, dtype=torch.long, device=device)
-            for n in ("drafted", "accepted", "rounds", "cd", "ca", "td", "ta")
+            for n in ("drafted", "accepted", "rounds", "cd", "ca", "td", "ta", "hd", "ha")
         }
         self.budgets = {
             "exit": torch.full((size,), settings.num_tokens, dtype=torch.long, device=device),
@@ -948,6 +1011,8 @@ class _RoundStats:
         self.totals["ca"] += torch.minimum(kept, r.context)
         self.totals["td"] += r.context * (active & r.table)
         self.totals["ta"] += torch.minimum(kept, r.context) * r.table
+        self.totals["hd"] += r.context * (active & r.history)
+        self.totals["ha"] += torch.minimum(kept, r.context) * r.history
         self.draft_lengths.append(k)
         if self.settings.schedule == "heuristic":
             copied, budgets = active & (r.context > 0), self.budgets
@@ -965,6 +1030,8 @@ class _RoundStats:
             context_accepted_tokens=t["ca"],
             table_draft_tokens=t["td"],
             table_accepted_tokens=t["ta"],
+            history_draft_tokens=t["hd"],
+            history_accepted_tokens=t["ha"],
         )
 
 
@@ -992,13 +1059,21 @@ def speculative_generate(
     assistant_vocab_size=None,
     speculative_verify_width=None,
     speculative_table_drafts=None,
+    speculative_history_tokens=None,
+    speculative_gate=None,
     **model_kwargs,
 ):
     """The decoding loop of `generate(assistant_early_exit=... and / or prompt_lookup_num_tokens=...)` (passed as
     `custom_generate`), on the shared skeleton (`decode_loop.DecodeLoop`): prefill at full depth, then rounds of
     draft, verify, accept, commit until every row has stopped."""
     settings = resolve_speculative_settings(
-        model, generation_config, assistant_vocab_size, speculative_verify_width, speculative_table_drafts
+        model,
+        generation_config,
+        assistant_vocab_size,
+        speculative_verify_width,
+        speculative_table_drafts,
+        speculative_history_tokens,
+        speculative_gate,
     )
     cache = _check_call(settings.mode, input_ids, synced_gpus, model_kwargs, spec_streamer)
     vocab = model.config.vocab_size
@@ -1009,11 +1084,32 @@ def speculative_generate(
     _first_token(model, loop, batch, cache, input_ids, model_kwargs)
     stats = _RoundStats(settings, input_ids.shape[0], loop.max_length - input_ids.shape[1], input_ids.device)
     capacity = _capacity(cache)
+    texts = RowTexts(batch, settings.ngram_size) if settings.lookup_tokens else None
     while bool((active := batch.active).any()):
-        r = _draft(model, settings, batch, cache, active, stats.budgets, capacity, logits_processor, loop.sample)
+        start = time.perf_counter()
+        if texts is not None:
+            texts.sync(batch)
+        r = _draft(model, settings, batch, texts, cache, active, stats.budgets, capacity, logits_processor, loop.sample)
+        live = batch.live.numel()
         accepted, counts = _verify_and_commit(model, loop, batch, cache, r)
         stats.add(r, active, accepted, counts)
+        if texts is not None:
+            _learn(model, r, accepted, live, time.perf_counter() - start)
+    if settings.history:
+        for tokens in texts.generated(batch):
+            model.drafter.finish(tokens)
     return _finish(model, loop, batch, cache, stats)
+
+
+def _learn(model, r, accepted, rows, seconds):
+    """After a round: each row's chain learns how many of its verified drafts were kept; a context round (no exit
+    head) times its width for the gate."""
+    drafter, k = model.drafter, r.drafts.shape[1]
+    if r.start < 0:
+        drafter.costs.observe(("context", rows, k + 1), seconds)
+    for chain, n, kept in zip(r.chains, r.context.tolist(), accepted.tolist()):
+        if chain is not None and n:
+            drafter.observe(chain, kept, drafted=n)
 
 
 # deprecated names, kept importable for one release: {old: new}
@@ -1028,6 +1124,8 @@ __all__ = [
     "VOCAB_FIELD",
     "WIDTH_FIELD",
     "TABLE_FIELD",
+    "HISTORY_FIELD",
+    "GATE_FIELD",
     "OUR_FIELDS",
     "SCHEDULES",
     "GenerateSpeculativeOutput",
@@ -1035,7 +1133,8 @@ __all__ = [
     "SpeculativeSettings",
     "accept_greedy",
     "accept_sampled",
-    "context_drafts",
+    "RowTexts",
+    "copied_drafts",
     "draft_head",
     "draft_vocab_head",
     "our_speculative_arguments",

@@ -19,6 +19,7 @@ SOURCES = [  # every source alone and both together
     ),
     dict(prompt_lookup_num_tokens=3, assistant_early_exit=1, num_assistant_tokens=2),  # exit drafts stop when unsure
     dict(prompt_lookup_num_tokens=2, speculative_verify_width=6),  # wider rounds, fillers after the drafts
+    dict(prompt_lookup_num_tokens=3, speculative_gate=False),  # every round drafts what it finds (no gate)
 ]
 
 
@@ -41,27 +42,42 @@ def _batch(rows, budget):
     return batch, torch.full((len(rows),), budget)
 
 
-def test_context_drafts_copy_what_followed_the_longest_matching_ngram():
+def _chains(batch, budget, ngram_size):
+    """Each row's chain from its own text alone (no history, no table)."""
+    texts = spec.RowTexts(batch, ngram_size)
+    return [row.chain(row.tail(), n) for row, n in zip(texts.rows, budget.tolist())]
+
+
+def test_context_drafts_copy_what_followed_the_longest_matching_suffix():
     batch, budget = _batch(
         [
             [5, 6, 7, 8, 9, 1, 2, 6, 7],  # "6 7" occurred at 1: its continuation 8 9 1
             [3, 4, 5, 3, 9, 9, 5],  # no "9 5" before; "5" at 2: 3 9 9
             [2, 3, 4, 5],  # nothing repeats
-            [1, 2, 1, 2, 1, 2],  # "1 2" at 0 and 2: the latest followed by 3 tokens is at 0 (at 2 only 2 follow)
+            [1, 2, 1, 2, 1, 2],  # "1 2" at 0 and 2; at 2 the match extends back over "1 2 1 2": 1 2, then the end
         ],
         budget=3,
     )
-    drafts, counts = spec.context_drafts(batch, budget, ngram_size=2)
-    assert counts.tolist() == [3, 3, 0, 3]
-    assert drafts[0].tolist() == [8, 9, 1] and drafts[1].tolist() == [3, 9, 9] and drafts[3].tolist() == [1, 2, 1]
+    chains = _chains(batch, budget, ngram_size=2)
+    assert chains[2] is None
+    assert [c.tokens for c in (chains[0], chains[1], chains[3])] == [[8, 9, 1], [3, 9, 9], [1, 2]]
+    assert chains[3].match == 4 and chains[0].match == 2
     # a longer n-gram wins over a later shorter one, and the budget caps the count per row
     batch, _ = _batch([[7, 1, 2, 3, 4, 2, 3, 9, 1, 2, 3]], budget=2)
-    drafts, counts = spec.context_drafts(batch, torch.tensor([2]), ngram_size=3)
-    assert counts.tolist() == [2] and drafts[0].tolist() == [4, 2]  # "1 2 3" at 1, not "2 3" at 5
+    (chain,) = _chains(batch, torch.tensor([2]), ngram_size=3)
+    assert chain.tokens == [4, 2]  # "1 2 3" at 1, not "2 3" at 5
     # the left pads of a row are not its text
     batch, _ = _batch([[9, 9, 9, 9], [4, 0, 0]], budget=2)
-    drafts, counts = spec.context_drafts(batch, torch.tensor([2, 2]), ngram_size=1)
-    assert counts.tolist() == [2, 1] and drafts[1, 0].item() == 0  # row 1: "0" at its own position 1, then 0
+    chains = _chains(batch, torch.tensor([2, 2]), ngram_size=1)
+    assert chains[0].tokens == [9] and chains[1].tokens == [0]  # the longest match (at 1) leaves one token; row 1: "0"
+
+
+def test_context_drafts_follow_the_most_frequent_continuation():
+    # "1 2" is followed by 3 twice and by 4 once (the latest): the frequent one wins, with its share
+    batch, budget = _batch([[1, 2, 3, 8, 1, 2, 3, 9, 1, 2, 4, 7, 1, 2]], budget=3)
+    (chain,) = _chains(batch, budget, ngram_size=2)
+    assert chain.tokens[0] == 3 and chain.support == 3
+    assert chain.shares[0] == pytest.approx(2 / 3) and chain.shares[1] == pytest.approx(1 / 3)
 
 
 # --- exactness -------------------------------------------------------------------------------------------------------
@@ -131,7 +147,7 @@ def test_accepted_context_drafts_save_full_steps(models, batch):
     try:
         out = model.generate(
             ids, attention_mask=mask, max_new_tokens=new, do_sample=False, prompt_lookup_num_tokens=4,
-            return_dict_in_generate=True,
+            return_dict_in_generate=True, speculative_gate=False,
         )  # fmt: skip
     finally:
         counter.remove()
@@ -152,7 +168,9 @@ def test_a_verify_width_widens_only_the_rounds_that_verify_drafts(models):
     model, base = models("llama")
     ids, mask = padded_batch(batch=2)
     new = 24
-    kwargs = dict(max_new_tokens=new, do_sample=False, prompt_lookup_num_tokens=2, return_dict_in_generate=True)
+    # every round drafts what it can, from the row's text alone: the calls below compare their rounds
+    fixed = dict(speculative_gate=False, speculative_history_tokens=0)
+    kwargs = dict(max_new_tokens=new, do_sample=False, prompt_lookup_num_tokens=2, return_dict_in_generate=True, **fixed)
     narrow = model.generate(ids, attention_mask=mask, **kwargs)
     out = model.generate(ids, attention_mask=mask, speculative_verify_width=6, **kwargs)
     assert torch.equal(out.sequences, narrow.sequences)
@@ -161,11 +179,11 @@ def test_a_verify_width_widens_only_the_rounds_that_verify_drafts(models):
     assert ((widths == 1) | (widths >= 6)).all() and (widths >= 6).any()  # a round with a draft: 6 wide, else 1
     near_end = torch.tensor([[3, 4, 3, 4, 3]])  # "3 4" repeats: a draft every round, but 2 tokens left at most
     out = model.generate(near_end, max_new_tokens=3, prompt_lookup_num_tokens=2, speculative_verify_width=8,
-                         return_dict_in_generate=True, do_sample=False)  # fmt: skip
+                         return_dict_in_generate=True, do_sample=False, **fixed)  # fmt: skip
     assert int(out.draft_lengths.max()) <= 2  # fillers stop at max_length: no positions generate would never reach
     # the fillers are never accepted: the same drafts are counted as without them
     assert torch.equal(out.accepted_tokens, model.generate(near_end, max_new_tokens=3, prompt_lookup_num_tokens=2,
-                       return_dict_in_generate=True, do_sample=False).accepted_tokens)  # fmt: skip
+                       return_dict_in_generate=True, do_sample=False, **fixed).accepted_tokens)  # fmt: skip
 
 
 def test_without_matches_a_round_is_one_plain_step(models):
@@ -192,14 +210,15 @@ def test_sampling_with_context_drafts_follows_the_full_models_distribution(tmp_p
     model = eet.from_base(tmp_path, exit_layers=[0, 1, 2]).eval()
     # the model's own greedy text as the prompt: it repeats itself, so copied drafts are often (not always) sampled
     ids = base.generate(torch.tensor([[3, 4, 5, 6]]), max_new_tokens=12, do_sample=False).repeat(rows, 1)
-    kwargs = dict(max_new_tokens=3, do_sample=True, temperature=0.9, pad_token_id=0)
+    # the gate off: this test is about the acceptance rule, which must be exercised whatever the rounds cost
+    kwargs = dict(max_new_tokens=3, do_sample=True, temperature=0.9, pad_token_id=0, speculative_gate=False)
 
     def pairs(out):  # tokens 2 and 3 come from drafts, rejections and bonus tokens; token 1 from the prefill
         new = out[:, ids.shape[1] :]
         return new[:, 1] * vocab + new[:, 2]
 
     torch.manual_seed(0)
-    plain = pairs(model.generate(ids, **kwargs))
+    plain = pairs(model.generate(ids, **{**kwargs, "speculative_gate": None}))
     for source in (dict(prompt_lookup_num_tokens=2, max_matching_ngram_size=1), dict(SOURCES[3], max_new_tokens=3)):
         out = model.generate(ids, return_dict_in_generate=True, **{**kwargs, **source})
         rate = float(out.context_accepted_tokens.sum() / out.context_draft_tokens.sum())
@@ -342,11 +361,12 @@ def test_benchmarks_time_only_the_draft_sources_a_row_names(models):
     model.generation_config.prompt_lookup_num_tokens = 3
     try:
         kwargs = dict(max_new_tokens=10, return_dict_in_generate=True, assistant_confidence_threshold=0.0)
+        kwargs["speculative_gate"] = False  # every round drafts: the sources below are what is compared
         # transformers' semantics: a stored setting the call leaves unset joins in
         both = model.generate(ids, assistant_early_exit=2, **kwargs)
         assert int(both.context_draft_tokens.sum()) > 0
         # a benchmark row that names exit drafts times exit drafts only
-        exit_only = model.generate(ids, **only_these_drafts(dict(assistant_early_exit=2)), **kwargs)
+        exit_only = model.generate(ids, **{**only_these_drafts(dict(assistant_early_exit=2)), **kwargs})
         assert int(exit_only.context_draft_tokens.sum()) == 0 and int(exit_only.draft_tokens.sum()) > 0
         assert only_these_drafts({"exit_threshold": 0.5}) == {"exit_threshold": 0.5}  # no drafts named: unchanged
     finally:

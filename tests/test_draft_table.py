@@ -79,8 +79,9 @@ def test_table_drafts_equal_full_depth_greedy(models, family, cache_implementati
         dict(prompt_lookup_num_tokens=2, assistant_early_exit=2, num_assistant_tokens=2),  # exit drafts for the rest
     ):
         out = model.generate(
-            ids, attention_mask=mask, return_dict_in_generate=True, speculative_table_drafts=True, **kwargs, **source
-        )
+            ids, attention_mask=mask, return_dict_in_generate=True, speculative_table_drafts=True, **kwargs, **source,
+            speculative_gate=False, speculative_history_tokens=0,  # the table's drafts in every round
+        )  # fmt: skip
         assert torch.equal(out.sequences, expected), source
         assert (out.table_accepted_tokens <= out.table_draft_tokens).all()
         assert (out.table_draft_tokens <= out.context_draft_tokens).all()
@@ -92,6 +93,7 @@ def test_accepted_table_drafts_save_full_steps(models):
     ids, mask = padded_batch(batch=3)
     new = 24
     kwargs = dict(max_new_tokens=new, do_sample=False, prompt_lookup_num_tokens=3, return_dict_in_generate=True)
+    kwargs.update(speculative_gate=False, speculative_history_tokens=0)  # two calls compared round for round
     context_only = model.generate(ids, attention_mask=mask, **kwargs)
     counter = LayerCalls(model)
     try:
