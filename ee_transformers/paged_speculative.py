@@ -136,6 +136,12 @@ def check_paged_drafts(model, generation_config, cb_config):
     """Raises what continuous batching cannot honour with drafts on; returns the batching config to use (a copy with
     prefix sharing, async batching, CUDA graphs and the block-table decode path off)."""
     check_internals()
+    layers, max_layer = model.config.num_hidden_layers, getattr(model, "exit_max_layer", None)
+    if max_layer is not None and max_layer < layers - 1:
+        raise ValueError(
+            f"`{DRAFT_FIELD}` verifies drafts with every layer, but this model holds decoder layers 0..{max_layer} "
+            f"only; load them with `model.set_exit_max_layer({layers - 1})` first, or pass `{DRAFT_FIELD}=None`."
+        )
     kinds = group_layers_by_attn_type(model.config.get_text_config())
     if "sliding_attention" in kinds:
         raise ValueError(

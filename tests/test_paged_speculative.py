@@ -3,6 +3,7 @@ continuous batching of the base model and per-prompt `generate` answer, with dra
 rolled back; the budget following the step cost; refusals instead of silent changes."""
 
 import math
+import sys
 import time
 from collections import Counter
 
@@ -335,3 +336,53 @@ def test_the_wrapped_transformers_internals_are_there(monkeypatch):
     with pytest.raises(RuntimeError, match="update_batch"):
         check_internals()
     assert paged_speculative.DRAFT_FIELD == "prompt_lookup_num_tokens"
+
+
+def test_a_lean_model_refuses_drafts(base_dirs):
+    model = ee_model(base_dirs)
+    model.set_exit_max_layer(1)
+    with pytest.raises(ValueError, match="prompt_lookup_num_tokens.*set_exit_max_layer"):
+        model.init_continuous_batching(
+            generation_config=config(prompt_lookup_num_tokens=2), continuous_batching_config=CB
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# serving
+# ---------------------------------------------------------------------------------------------------------------------
+SERVED = ["w5 w6 w7 w5 w6 w7 w5", "w12 w13 w12 w13", "w20 w21 w22 w23", "w40 w41 w40 w41 w40"]
+
+
+def test_serve_continuous_batching_verifies_a_folders_stored_drafts(tmp_path):
+    """`ee-transformers serve FOLDER --continuous-batching` on a folder whose stored lossless mode is context drafts:
+    concurrent requests from the openai client get the full model's greedy text, and nothing breaks in the log."""
+    pytest.importorskip("openai")
+    from concurrent.futures import ThreadPoolExecutor
+
+    from helpers import numbered_tokenizer, served_folders
+
+    import ee_transformers as eet
+    from ee_transformers.tools.bench.serve import ServerProcess, openai_client
+
+    base_folder, _ = served_folders(tmp_path)
+    model = eet.from_base(base_folder, exit_layers=[0, 1, 2]).eval()
+    model.generation_config.update(prompt_lookup_num_tokens=3, speculative_gate=False, eos_token_id=-1, do_sample=False)
+    model.save_pretrained(tmp_path / "drafts")
+    tok = numbered_tokenizer()
+    tok.save_pretrained(tmp_path / "drafts")
+    flags = ["--continuous-batching", "--cb-num-blocks", "64", "--cb-block-size", "16", "--cb-max-batch-tokens", "64"]
+    argv = [sys.executable, "-m", "ee_transformers.tools.cli", "serve", str(tmp_path / "drafts"), *flags]
+    server = ServerProcess(argv, threads=1, log_path=tmp_path / "server.log")
+    client = openai_client(server)
+    ask = lambda p: client.completions.create(model=str(tmp_path / "drafts"), prompt=p, max_tokens=10, temperature=0)  # noqa: E731
+    try:
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            answers = [a.choices[0].text for a in pool.map(ask, SERVED)]
+    finally:
+        log = server.stop()
+    for prompt, text in zip(SERVED, answers):
+        ids = torch.tensor([tok(prompt)["input_ids"]])
+        want = model.generate(ids, max_new_tokens=10, prompt_lookup_num_tokens=None, do_sample=False, eos_token_id=-1)
+        assert " ".join(text.split()) == " ".join(tok.decode(want[0, ids.shape[1] :]).split()), prompt
+    assert "Traceback" not in log, log[-4000:]
+    assert "Drafts in continuous batching" in log, "the server's batching manager verifies drafts"
