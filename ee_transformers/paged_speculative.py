@@ -23,7 +23,10 @@ table), packed into the same forward as the other requests' tokens and prefill c
     rollback  a request that kept n < k drafts wrote K/V for k - n rejected positions: its `position_offset` (the
               length the next step writes at and reads up to) goes back by k - n and the blocks past the kept length
               return to the pool (`give_back`). A later token writes those slots before any read covers them, so
-              nothing reads a rejected draft's K/V
+              nothing reads a rejected draft's K/V. A sliding-window layer's pages are a ring buffer (position p in
+              slot p mod W): a draft's slot held K/V of position p - W, still inside the window of the next tokens,
+              so those slots are saved before the forward and a rejected draft's slot is restored after it
+              (`RingSlots`); drafts per request stay below W, so no draft pushes a kept token out of the ring
 
 The draft budget follows the load. Each step times its forward and feeds `drafter.costs` with (packed tokens,
 seconds), so `cost(T)` is the measured step time at T packed tokens on this machine. With base B tokens (prefill chunks
@@ -40,9 +43,8 @@ Where transformers has no public seam (the manager samples itself, one token per
 the batch processor it builds are wrapped per instance, pinned to transformers 5.24 (`check_internals` raises on
 another layout): `inputs_and_outputs.prepare_batch_tensors` (adds the drafts), `_generation_step` (forward, verify),
 `update_batch` (commit the first token through transformers' own update, then the rest, then rollback). A step without
-drafts runs transformers' own methods unchanged. Sliding-window attention is refused: its paged ring buffer
-overwrites, at a rejected draft's slot, K/V still inside the window. With drafts on, prefix sharing of blocks, async
-batching, CUDA graphs and the decode fast path are off; confident exits are not used (drafts decide at full depth).
+drafts runs transformers' own methods unchanged. With drafts on, prefix sharing of blocks, async batching, CUDA graphs
+and the decode fast path are off; confident exits are not used (drafts decide at full depth).
 
 Part of the Hub runtime: imports only torch, transformers and its siblings.
 """
@@ -55,6 +57,7 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers.generation.continuous_batching.cache import group_layers_by_attn_type
+from transformers.generation.continuous_batching.cache_allocators import SlidingAttentionCacheAllocator
 from transformers.generation.continuous_batching.requests import RequestStatus
 from transformers.utils import logging
 
@@ -142,12 +145,11 @@ def check_paged_drafts(model, generation_config, cb_config):
             f"`{DRAFT_FIELD}` verifies drafts with every layer, but this model holds decoder layers 0..{max_layer} "
             f"only; load them with `model.set_exit_max_layer({layers - 1})` first, or pass `{DRAFT_FIELD}=None`."
         )
-    kinds = group_layers_by_attn_type(model.config.get_text_config())
-    if "sliding_attention" in kinds:
+    window = getattr(model.config.get_text_config(), "sliding_window", None)
+    if "sliding_attention" in group_layers_by_attn_type(model.config.get_text_config()) and window < 2:
         raise ValueError(
-            f"`{DRAFT_FIELD}` in continuous batching is not available for sliding-window attention: the paged ring "
-            "buffer overwrites, at a rejected draft's slot, K/V still inside the window. Pass "
-            f"`{DRAFT_FIELD}=None` (or decode with `generate`)."
+            f"`{DRAFT_FIELD}` in continuous batching needs a sliding window of at least 2 positions (a request's "
+            f"drafts stay below it), got `sliding_window={window}`; pass `{DRAFT_FIELD}=None`."
         )
     compiled = getattr(generation_config, "compile_config", None) is not None or any(
         getattr(cb_config, name, None) for name in ("varlen_compile_config", "decode_compile_config")
@@ -196,6 +198,7 @@ def check_internals() -> None:
         ContinuousBatchingIOs: ("prepare_batch_tensors", "prepare_batch_update", "get_model_kwargs"),
         RequestState: ("update_and_check_completion", "to_generation_output", "generated_len"),
         BlockLedger: ("release",),
+        SlidingAttentionCacheAllocator: ("_compute_blocks_needed", "get_write_indices", "register_cache_tensor"),
     }
     missing = [f"{cls.__name__}.{name}" for cls, names in wanted.items() for name in names if not hasattr(cls, name)]
     fields = {f.name for f in dataclasses.fields(RequestState)}
@@ -218,12 +221,32 @@ def give_back(cache, request_id: str, length: int) -> int:
         table = allocator.block_table.get(request_id)
         if table is None:
             continue
-        keep = -(-length // allocator.tokens_per_page)
+        keep = allocator._compute_blocks_needed(0, length, 0)  # the blocks `length` tokens need (a ring: <= W)
         extra, table[keep:] = table[keep:], []
         freed = [block for block in extra if allocator.ledger.release(block)]
         allocator.pool.free_blocks(allocator.index, freed)
         released += len(extra)
     return released
+
+
+class RingSlots:
+    """The sliding-window layers' ring slots one request's drafts write (positions `first .. first + k - 1`), saved
+    before the forward: `restore(n)` writes back the slots of the drafts after the first n (the rejected ones)."""
+
+    def __init__(self, cache, request_id: str, first: int, k: int):
+        self.saved = []  # (keys view, values view, slots (k,), saved keys (k, H, D), saved values)
+        for allocator in cache.cache_allocators.values():
+            if isinstance(allocator, SlidingAttentionCacheAllocator):
+                slots = allocator.get_write_indices(request_id, first, k)
+                for layer in allocator.layer_indices:
+                    keys, values = allocator._kv_token_views[layer]
+                    index = torch.tensor(slots, dtype=torch.long, device=keys.device)
+                    self.saved.append((keys, values, index, keys.index_select(0, index), values.index_select(0, index)))
+
+    def restore(self, n: int) -> None:
+        for keys, values, index, old_keys, old_values in self.saved:
+            keys.index_copy_(0, index[n:], old_keys[n:])
+            values.index_copy_(0, index[n:], old_values[n:])
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -295,6 +318,7 @@ class _Drafted:
 
     chain: object
     k: int
+    ring: RingSlots | None = None
     tokens: list = field(default_factory=list)  # committed by verification: accepted drafts + the model's token
     logprobs: list = field(default_factory=list)
 
@@ -310,6 +334,9 @@ class PagedDrafts:
         if settings.history:
             drafter.history.resize(settings.history)
         self.contexts = {}  # request id -> (its RequestState, its SuffixIndex, tokens indexed)
+        allocators = processor.cache.cache_allocators.values()
+        windows = [a.sliding_window for a in allocators if isinstance(a, SlidingAttentionCacheAllocator)]
+        self.max_drafts = min([settings.max_drafts, *(w - 1 for w in windows)])  # a query fits in the ring
         self.step = {}  # request id -> _Drafted, for the current step (empty: a plain step)
         io = processor.inputs_and_outputs
         self._prepare, self._generate, self._update = (
@@ -338,8 +365,8 @@ class PagedDrafts:
         """The most drafts worth verifying for `state`: K, and fewer than the new tokens it may still add (a step adds
         its accepted drafts plus one token)."""
         if state.max_new_tokens is None:
-            return self.settings.max_drafts
-        return min(self.settings.max_drafts, state.max_new_tokens - state.generated_len() - 1)
+            return self.max_drafts
+        return min(self.max_drafts, state.max_new_tokens - state.generated_len() - 1)
 
     def _candidates(self, requests_in_batch):
         """Decoding requests of this step and their chains (at most K drafts, and fewer than the tokens left)."""
@@ -412,6 +439,11 @@ class PagedDrafts:
                 counts.append(1 + (drafted.k if drafted else 0))
                 rows.extend(range(end - counts[-1], end))
         start = time.perf_counter()
+        for fs in requests:  # the ring slots the drafts overwrite (sliding-window layers)
+            drafted = self.step.get(fs.state.request_id)
+            if drafted is not None:
+                first = fs.state.position_offset - drafted.k  # prepare moved it past the step's tokens
+                drafted.ring = RingSlots(processor.cache, fs.state.request_id, first, drafted.k)
         batch = io.get_model_kwargs(use_padding=False)
         index = torch.tensor(rows, dtype=torch.long, device=batch["input_ids"].device)
         batch["logits_indices"] = index
@@ -426,6 +458,8 @@ class PagedDrafts:
             args = batch["logits_processor_args"][:, : len(counts)].repeat_interleave(repeats, dim=1)
             scores = processor.logit_processor(batch["input_ids"][0, index], scores, args)
         self._verify(requests, counts, scores)
+        for drafted in self.step.values():
+            drafted.ring.restore(len(drafted.tokens) - 1)
         seconds = time.perf_counter() - start
         self.drafter.costs.observe(("packed", self.packed_tokens), seconds)
         trace = getattr(self.model, "_paged_draft_trace", None)

@@ -17,6 +17,7 @@ from transformers.generation.continuous_batching.continuous_api import Continuou
 from transformers.generation.continuous_batching.requests import RequestState
 
 from ee_transformers import paged_speculative
+from ee_transformers.drafts import Chain
 from ee_transformers.paged_speculative import (
     PagedDrafts,
     accept_greedy,
@@ -32,7 +33,6 @@ NEW = 16
 SMALL = dict(num_blocks=32, page_size=16, max_batch_tokens=64)
 CB = ContinuousBatchingConfig(auto_switch_to_flash=False, **SMALL)
 SLIDING = [f for f, spec in FAMILIES.items() if spec.extra.get("sliding_window") or "layer_types" in spec.extra]
-FULL = [f for f in FAMILIES if f not in SLIDING]
 
 
 def config(**settings):
@@ -45,6 +45,26 @@ def config(**settings):
 def drafts_pay(monkeypatch):
     """Every step takes every draft the drafter offers (a step cost that does not grow with its tokens)."""
     monkeypatch.setattr(PagedDrafts, "cost", lambda self, tokens: 1.0)
+
+
+def oracle(monkeypatch, model, prompts, answers):
+    """The model's drafter proposes each request's true continuation (`answers`), wrong at the first draft one step
+    in three and at the last one step in three: drafts are accepted and rejected whatever the model generates."""
+
+    def propose(context, suffix, max_drafts, history=True, table=False):
+        text = context.tokens
+        (r,) = [r for r, p in enumerate(prompts) if text[: len(p)] == p and len(text) - len(p) <= len(answers[r])]
+        done = len(text) - len(prompts[r])
+        tokens = list(answers[r][done : done + max_drafts])
+        if not tokens:
+            return None
+        wrong = {1: 0, 2: len(tokens) - 1}.get(done % 3)
+        if wrong is not None:
+            tokens[wrong] = (tokens[wrong] + 1) % model.config.vocab_size
+        return Chain(tokens, [1.0] * len(tokens), 1, 1, "context", probs=[0.9 ** (i + 1) for i in range(len(tokens))])
+
+    monkeypatch.setattr(model.drafter, "propose", propose)
+    monkeypatch.setattr(model.drafter, "observe", lambda chain, accepted, drafted=None: None)  # nothing to learn
 
 
 def tokens_of(out):
@@ -67,21 +87,32 @@ def alone(base, gc, prompts=PROMPTS):
     return [base.generate(torch.tensor([p]), generation_config=gc)[0, len(p) :].tolist() for p in prompts]
 
 
-@pytest.mark.parametrize("family", FULL)
-def test_drafts_equal_plain_continuous_batching_and_generate(base_dirs, family, drafts_pay):
-    base = base_dirs[family][1]
+def test_drafts_equal_plain_continuous_batching_and_generate(base_dirs, family, drafts_pay, monkeypatch):
+    base, model = base_dirs[family][1], ee_model(base_dirs, family)
     want = plain(base, config())
     assert want == alone(base, config())
-    tokens, trace = drafted(ee_model(base_dirs, family), config(prompt_lookup_num_tokens=4))
+    tokens, trace = drafted(model, config(prompt_lookup_num_tokens=4))  # the model's own context drafts
     assert tokens == want
-    assert trace.accepted > 0 and trace.drafted > trace.accepted / 2, trace.requests  # drafts really ran and paid
+    oracle(monkeypatch, model, PROMPTS, want)  # drafts accepted and rejected, whatever this family generates
+    tokens, trace = drafted(model, config(prompt_lookup_num_tokens=4))
+    assert tokens == want
+    assert trace.drafted > trace.accepted > trace.drafted / 3, trace.requests  # drafts really ran, some rejected
     assert len(trace.steps) > 0 and all(drafted >= accepted for _, drafted, accepted, _ in trace.steps)
+    if family in SLIDING:  # a query stays inside the ring of the window (4): at most 3 drafts
+        assert max(d for _, d, _, _ in trace.steps) <= 3 * len(PROMPTS)
 
 
-@pytest.mark.parametrize("family", SLIDING)
-def test_sliding_window_families_refuse_drafts(base_dirs, family):
-    with pytest.raises(ValueError, match="prompt_lookup_num_tokens.*sliding-window"):
-        drafted(ee_model(base_dirs, family), config(prompt_lookup_num_tokens=4))
+@pytest.mark.parametrize("family", ["gemma3", "qwen2-sliding", "mistral-sliding"])
+def test_sliding_layers_restore_the_ring_slots_rejected_drafts_wrote(base_dirs, family, drafts_pay, monkeypatch):
+    """A draft's ring slot held K/V of the position one window back, still read by the next tokens: without the
+    restore, a step after a rejection reads the rejected draft's K/V there and the text changes."""
+    base, model = base_dirs[family][1], ee_model(base_dirs, family)
+    want = plain(base, config())
+    oracle(monkeypatch, model, PROMPTS, want)
+    tokens, trace = drafted(model, config(prompt_lookup_num_tokens=3))
+    assert tokens == want and trace.drafted > trace.accepted > 0
+    monkeypatch.setattr(paged_speculative.RingSlots, "restore", lambda self, n: None)
+    assert drafted(model, config(prompt_lookup_num_tokens=3))[0] != want
 
 
 def test_rejected_drafts_are_rolled_back_in_the_paged_cache(base_dirs, drafts_pay, monkeypatch):
