@@ -491,8 +491,9 @@ class EarlyExitMixin(ExitHeadsMixin):
     def init_continuous_batching(self, generation_config=None, continuous_batching_config=None, workload_hints=None):
         """transformers' continuous batching (`generate_batch`, `transformers serve --continuous-batching`) with
         early exit: each step runs through `paged_step` with the exit settings of `generation_config` over the
-        stored ones (`paged_early_exit.py`). The settings hold for this model's continuous batching until the next
-        call; what the paged path cannot honour raises here."""
+        stored ones (`paged_early_exit.py`); or, with `prompt_lookup_num_tokens` (passed or stored), lossless drafts
+        verified inside each step at full depth (`paged_speculative.py`). The settings hold for this model's
+        continuous batching until the next call; what the paged path cannot honour raises here."""
         settings = self.exit_settings_for(generation_config)
         cb_config = continuous_batching_config or ContinuousBatchingConfig()
         # `prompt_lookup_num_tokens`: drafts verified in the paged step (`paged_speculative.py`), at full depth

@@ -356,9 +356,11 @@ class PagedDrafts:
         if entry is None or entry[0] is not state:  # new, or soft-reset by the offloading manager
             entry = (state, SuffixIndex(ngram_size=self.settings.ngram_size), 0)
         state_, index, seen = entry
-        tokens = state.initial_tokens + state.generated_tokens
-        index.extend(tokens[seen:])
-        self.contexts[state.request_id] = (state_, index, len(tokens))
+        prompt, generated = state.initial_tokens, state.generated_tokens
+        if seen < len(prompt):
+            index.extend(prompt[seen:])
+        index.extend(generated[max(seen - len(prompt), 0) :])
+        self.contexts[state.request_id] = (state_, index, len(prompt) + len(generated))
         return index
 
     def _room(self, state) -> int:
