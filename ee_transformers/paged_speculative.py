@@ -324,7 +324,9 @@ class _Drafted:
 
 
 class PagedDrafts:
-    """The drafts of one batch processor: built by `attach_paged_drafts`, it wraps three of the processor's methods."""
+    """The drafts of one batch processor: built by `attach_paged_drafts` (`manager.batch_processor._paged_drafts`),
+    it wraps three of the processor's methods. `counts`: [drafted, accepted] tokens per running request; `totals`: of
+    every request so far (each finished request's counts are also logged at INFO level)."""
 
     def __init__(self, model, settings: PagedDraftSettings, processor):
         self.model, self.settings, self.processor = model, settings, processor
@@ -338,6 +340,8 @@ class PagedDrafts:
         windows = [a.sliding_window for a in allocators if isinstance(a, SlidingAttentionCacheAllocator)]
         self.max_drafts = min([settings.max_drafts, *(w - 1 for w in windows)])  # a query fits in the ring
         self.step = {}  # request id -> _Drafted, for the current step (empty: a plain step)
+        self.counts = {}  # request id -> [drafted, accepted] tokens, while it runs
+        self.totals = [0, 0]  # [drafted, accepted] tokens of every request so far
         io = processor.inputs_and_outputs
         self._prepare, self._generate, self._update = (
             io.prepare_batch_tensors,
@@ -419,8 +423,9 @@ class PagedDrafts:
 
     def _forget_gone(self):
         active = self.processor.scheduler.active_requests
-        for request_id in [r for r in self.contexts if r not in active]:
-            del self.contexts[request_id]
+        for request_id in [r for r in self.contexts if r not in active]:  # cancelled
+            self.contexts.pop(request_id)
+            self.counts.pop(request_id, None)
 
     # forward and verify ----------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -509,8 +514,11 @@ class PagedDrafts:
             if drafted is not None:
                 accepted = len(drafted.tokens) - 1
                 self.drafter.observe(drafted.chain, accepted, drafted=drafted.k)
-                if trace is not None:
-                    counts = trace.requests.setdefault(state.request_id, [0, 0])
+                for counts in (
+                    self.counts.setdefault(state.request_id, [0, 0]),
+                    self.totals,
+                    *([trace.requests.setdefault(state.request_id, [0, 0])] if trace is not None else []),
+                ):
                     counts[0], counts[1] = counts[0] + drafted.k, counts[1] + accepted
                 if state.status != RequestStatus.FINISHED:
                     finished = False
@@ -529,6 +537,8 @@ class PagedDrafts:
                         pending.append(state.to_generation_output())
             if state.status == RequestStatus.FINISHED:
                 self.contexts.pop(state.request_id, None)
+                drafts, kept = self.counts.pop(state.request_id, (0, 0))
+                logger.info(f"Request {state.request_id}: {drafts} drafted tokens, {kept} accepted.")
                 if self.settings.history:  # its tokens enter the drafter's history
                     self.drafter.finish(state.to_generation_output().generated_tokens)
         self.step = {}

@@ -243,6 +243,36 @@ def test_requests_that_join_mid_flight_stream_in_order(base_dirs, drafts_pay):
     assert trace.requests[first][1] > 0
 
 
+def test_a_cancelled_request_leaves_nothing_behind(base_dirs, drafts_pay):
+    """A request cancelled mid-stream frees its blocks and its draft state; the others answer what they would alone."""
+    base, model = base_dirs["llama"][1], ee_model(base_dirs)
+    want = plain(base, config(max_new_tokens=24), prompts=PROMPTS[1:])
+    manager = model.init_continuous_batching(
+        generation_config=config(max_new_tokens=24, prompt_lookup_num_tokens=4), continuous_batching_config=CB
+    )
+    manager.start()
+    try:
+        gone = manager.add_request(PROMPTS[0], max_new_tokens=24, streaming=True)
+        others = [manager.add_request(p, max_new_tokens=24) for p in PROMPTS[1:]]
+        deadline, seen = time.time() + 60, []
+        while len(seen) < 3 and time.time() < deadline:
+            out = manager.get_result(gone, timeout=1)
+            seen = out.generated_tokens if out is not None else seen
+        manager.cancel_request(gone)
+        results = {}
+        while len(results) < 2 and time.time() < deadline:
+            out = manager.get_result(timeout=1)
+            if out is not None and out.request_id in others and out.is_finished():
+                results[out.request_id] = out.generated_tokens
+        processor = manager.batch_processor
+    finally:
+        manager.stop(block=True, timeout=5)
+    assert [results[r] for r in others] == want
+    paged = processor._paged_drafts
+    assert not paged.contexts and not paged.counts and paged.totals[1] > 0
+    assert all(not allocator.block_table for allocator in processor.cache.cache_allocators.values())
+
+
 def test_logprobs_are_the_models(base_dirs, drafts_pay):
     base, model = base_dirs["llama"][1], ee_model(base_dirs)
     cb = ContinuousBatchingConfig(auto_switch_to_flash=False, return_logprobs=True, **SMALL)
