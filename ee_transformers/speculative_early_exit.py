@@ -34,8 +34,10 @@ exit layer (`assistant_early_exit - 1`, one of `config.exit_layers`), L the numb
 drafts of a round.
 
 One round, all rows at once (context drafts: `copied_drafts` copies each row's drafts from the tokens that followed
-an earlier occurrence of its last tokens, in its own text, earlier generations or the stored table; when no active row needs the exit head, the round feeds every row's last
-token and drafts, fillers after a row's own, through ALL layers in one forward, and `verify` starts at layer 0):
+an earlier occurrence of its last tokens, in its own text, earlier generations or the stored table, and the gate
+decides how many positions the round verifies, 0 drafts being a plain step; when no active row needs the exit head,
+the round feeds every row's last token and drafts, fillers after a row's own, through ALL layers in one forward, and
+`verify` starts at layer 0):
 
     draft_step  the row's last token, then each draft, runs layers 0..E once: its K/V there are written for good and
                 the residual leaving E is kept; exit head E proposes the next token (`draft_head`). Drafting stops
@@ -64,6 +66,7 @@ slot inside the window; generations longer than the window are refused).
 Part of the Hub runtime: imports only torch, transformers and its siblings.
 """
 
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -71,8 +74,6 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 from transformers.utils import logging
-
-import time
 
 from .decode_core import deprecated_aliases, run_layers
 from .decode_loop import DecodeLoop, require_cache

@@ -170,7 +170,9 @@ def test_a_verify_width_widens_only_the_rounds_that_verify_drafts(models):
     new = 24
     # every round drafts what it can, from the row's text alone: the calls below compare their rounds
     fixed = dict(speculative_gate=False, speculative_history_tokens=0)
-    kwargs = dict(max_new_tokens=new, do_sample=False, prompt_lookup_num_tokens=2, return_dict_in_generate=True, **fixed)
+    kwargs = dict(
+        max_new_tokens=new, do_sample=False, prompt_lookup_num_tokens=2, return_dict_in_generate=True, **fixed
+    )
     narrow = model.generate(ids, attention_mask=mask, **kwargs)
     out = model.generate(ids, attention_mask=mask, speculative_verify_width=6, **kwargs)
     assert torch.equal(out.sequences, narrow.sequences)

@@ -82,6 +82,8 @@ def test_concurrent_requests_from_the_openai_client(folder, flags, tmp_path):
                 max_tokens=2,
                 extra_body={"generation_config": json.dumps({"exit_policy": "sideways"})},
             )
+        with pytest.raises(openai.BadRequestError, match="256 tokens"):  # longer than the model's positions
+            bad.create(model=str(folder), prompt=" ".join(["w5"] * 300), max_tokens=2)
         answered = ask(server.client, folder, 1)  # the server still serves after a refused request
     finally:
         log = server.stop()

@@ -1,18 +1,35 @@
 """`ee-transformers serve FOLDER [transformers serve options]`: transformers' own OpenAI-compatible server
 (`transformers serve`, with or without `--continuous-batching`) on an early-exit folder.
 
-Three things this adds to transformers' server, and nothing else:
+What this adds to transformers' server, and nothing else:
 
 - **the classes resolvable.** transformers' model manager loads `getattr(transformers, config.architectures[0])`, so
   plain `transformers serve --trust-remote-code FOLDER` stops at start-up with `AttributeError: module transformers has
   no attribute EarlyExitLlamaForCausalLM` (the folder's `auto_map` is not read there; no file in the folder can fix
   that). This command puts this package's classes on the `transformers` module first.
-- **exit settings checked before decoding.** A request's `generation_config` (a JSON string, transformers' field) may
-  carry exit settings (`exit_threshold`, `exit_policy`, `early_exit`, ...). They are validated against the folder's
-  config when the request arrives: an invalid one answers HTTP 400 naming the setting, where transformers' server
-  answers 500. With `--continuous-batching`, transformers builds one batching manager for the whole server, so the
-  exit settings are the folder's stored ones; a request that sets any answers 400 saying so, instead of being
-  decoded with other settings than it asked for.
+- **a paged cache sized from the model, not from free memory.** With `--continuous-batching` and no size given,
+  transformers fills 60% of the machine's free memory with paged-cache blocks (the test suite's tiny folder held
+  7.1 GB). Here the cache holds `--cb-max-requests` (32) requests of `--max-length` tokens (default: the model's
+  maximum length), at most 1 GiB of K/V; `--cb-memory BYTES` (the blocks that many bytes of K/V hold) or
+  `--cb-num-blocks` size it instead, `--cb-block-size` sets the tokens per block; steps hold at most 1024 tokens
+  (`--cb-max-batch-tokens`). The size is passed to transformers as its own `--cb-num-blocks` and printed at start-up
+  in one line (blocks, block size, bytes of K/V); `--cb-max-memory-percent` alone keeps transformers' free-memory
+  sizing.
+- **requests checked before decoding.** `max_tokens` (and `max_completion_tokens`, `max_output_tokens`),
+  `temperature`, `top_p`, `frequency_penalty`, `seed`, `stream`, `stop` and the exit and draft settings of the
+  request's `generation_config` (a JSON string, transformers' field) are validated when the request arrives, and a
+  prompt that with its `max_tokens` does not fit the model's length or the paged cache is refused once it is
+  tokenized: each answers HTTP 400 naming the field (OpenAI's error body, `param` set), where transformers' server
+  answers 500 with a traceback, or 200 with empty text for a negative `max_tokens`. With `--continuous-batching`,
+  transformers builds one batching manager for the whole server, so the exit and draft settings are the server's; a
+  request that sets any answers 400 saying so, instead of being decoded with other settings than it asked for. For
+  the same reason a batched request whose sampling settings (`temperature`, `top_p`, ...) differ from the first
+  batched request's answers 400 (transformers samples every request with the first one's), and so does `stop`
+  (transformers' continuous batching stops at EOS and `max_tokens` only).
+- **disconnects free their request.** A streaming client that goes away is cancelled by transformers; a
+  non-streaming one is cancelled here (its request id is known, the batching manager is told), so its paged-cache
+  blocks return at the next step. `GET /v1/ee/cache` reports the paged cache (blocks, free blocks, requests in
+  flight): `{"started": false}` until the first continuous-batching request builds it.
 - **a lean model and server-wide settings.** `--exit-max-layer E` loads decoder layers 0..E only (HELIOS): tokens
   exit by layer E. `--exit-settings JSON` sets the server's exit settings (as `model.set_exit_defaults`) over the
   folder's stored ones, and turns its stored draft settings off (they would take precedence).
@@ -21,19 +38,561 @@ Sequential serving (no `--continuous-batching`) runs `model.generate`, so per-re
 `--continuous-batching`, exits run inside transformers' continuous batching (`paged_early_exit.py`).
 """
 
+import argparse
+import asyncio
+import contextvars
 import json
+import math
+import re
+import sys
+import uuid
+from dataclasses import dataclass
 
+import torch
 import transformers
 
 from ee_transformers.convert import read_config
 from ee_transformers.generation_early_exit import EXIT_ARGUMENTS, resolve_exit_settings
 from ee_transformers.modeling_early_exit import FAMILIES
-from ee_transformers.speculative_early_exit import DRAFT_SOURCES, MAX_BATCH_FIELD
+from ee_transformers.speculative_early_exit import DRAFT_SOURCES, MAX_BATCH_FIELD, OUR_FIELDS, SCHEDULES
 from ee_transformers.tools.arguments import ArgumentParser, InputError
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+CACHE_ENDPOINT = "/v1/ee/cache"
+DRAFT_ARGUMENTS = (
+    *DRAFT_SOURCES,
+    MAX_BATCH_FIELD,
+    *OUR_FIELDS,
+    "max_matching_ngram_size",
+    "num_assistant_tokens",
+    "num_assistant_tokens_schedule",
+    "assistant_confidence_threshold",
+)
+DEFAULT_MAX_REQUESTS = 32
+DEFAULT_CB_MEMORY = 2**30
+# transformers' default of 8192 tokens per step makes an attention mask of 8192 x (cache tokens + 8192) that the first
+# step fills: 526 MiB resident for the tiny test folder's 8192-token cache. On a CPU a step of 1024 tokens costs about
+# what its tokens cost, so longer prefills are split in steps of 1024.
+DEFAULT_MAX_BATCH_TOKENS = 1024
+LENGTH_FIELDS = {  # per endpoint: the field of the prompt, the fields that set the completion length
+    "/v1/completions": ("prompt", ("max_tokens",)),
+    "/v1/chat/completions": ("messages", ("max_completion_tokens", "max_tokens")),
+    "/v1/responses": ("input", ("max_output_tokens",)),
+}
+# the request being served (endpoint, whether it set its completion length), for the length check
+_REQUEST = contextvars.ContextVar("ee_request", default=("/v1/completions", True))
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# the paged cache's size
+# ---------------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CachePlan:
+    """The paged cache `ee-transformers serve` asks transformers for (`num_blocks` None: transformers sizes it from
+    free memory, as `--cb-max-memory-percent` asked)."""
+
+    block_size: int
+    num_blocks: int | None
+    bytes_per_token: int
+    model_max_length: int | None
+    how: str
+    max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
+    mask_bytes_per_cell: int = 4  # the attention mask: dtype bytes x masks (2 with sliding layers)
+
+    @property
+    def kv_bytes(self) -> int | None:
+        return None if self.num_blocks is None else self.num_blocks * self.block_size * self.bytes_per_token
+
+    @property
+    def max_length(self) -> int | None:
+        """The most tokens (prompt + completion) one request may hold: the model's length and the cache's."""
+        limits = [n for n in (self.model_max_length, self.num_blocks and self.num_blocks * self.block_size) if n]
+        return min(limits) if limits else None
+
+    @property
+    def mask_bytes(self) -> int | None:
+        """The attention mask transformers keeps for eager / SDPA attention: steps x (cache tokens + steps)."""
+        if self.num_blocks is None:
+            return None
+        tokens = self.num_blocks * self.block_size
+        return self.max_batch_tokens * (tokens + self.max_batch_tokens) * self.mask_bytes_per_cell
+
+    def line(self) -> str:
+        step = f"steps of at most {self.max_batch_tokens} tokens (--cb-max-batch-tokens)"
+        if self.num_blocks is None:
+            return f"ee-transformers serve: paged cache sized by transformers from free memory ({self.how}); {step}"
+        return (
+            f"ee-transformers serve: paged cache {self.num_blocks} blocks x {self.block_size} tokens "
+            f"({self.num_blocks * self.block_size} tokens), K/V {self.kv_bytes / 2**20:.1f} MiB "
+            f"({self.bytes_per_token} bytes/token); {self.how}; {step}, attention mask up to "
+            f"{self.mask_bytes / 2**20:.1f} MiB; a request may hold {self.max_length} tokens (prompt + max_tokens)"
+        )
+
+
+def parse_bytes(text: str) -> int:
+    """`1073741824`, `512MiB`, `1GiB`, `1.5GB`, `800M` -> bytes (K/M/G are powers of 1024, KB/MB/GB of 1000)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?)(i?B?)\s*", str(text), re.IGNORECASE)
+    if not match:
+        raise InputError(f"--cb-memory must be a size in bytes such as 1073741824, 512MiB or 1GiB, got {text!r}.")
+    number, prefix, suffix = float(match.group(1)), match.group(2).upper(), match.group(3).lower()
+    base = 1000 if suffix == "b" and prefix else 1024
+    return int(number * base ** " KMG".index(prefix or " "))
+
+
+def model_max_length(config) -> int | None:
+    for name in ("max_position_embeddings", "n_positions"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def kv_bytes_per_token(config, layers: int, dtype: torch.dtype) -> tuple[int, str]:
+    """Bytes of K/V one token holds in the paged cache (as transformers counts a block: every loaded layer full)."""
+    from transformers.generation.continuous_batching.utils import find_head_dim, find_num_key_value_heads  # noqa: PLC0415
+
+    heads, dims, size = find_num_key_value_heads(config), find_head_dim(config), dtype.itemsize
+    return layers * 2 * heads * dims * size, f"{layers} layers x 2 x {heads} KV heads x {dims} dims x {size} bytes"
+
+
+def served_dtype(config, dtype_flag: str | None) -> torch.dtype:
+    name = dtype_flag if dtype_flag not in (None, "auto") else getattr(config, "dtype", None) or "float32"
+    dtype = name if isinstance(name, torch.dtype) else getattr(torch, str(name).replace("torch.", ""), None)
+    if not isinstance(dtype, torch.dtype):
+        raise InputError(f"--dtype must name a torch dtype such as float32 or bfloat16, got {dtype_flag!r}.")
+    return dtype
+
+
+def plan_paged_cache(
+    config,
+    dtype: torch.dtype,
+    exit_max_layer: int | None = None,
+    block_size: int | None = None,
+    num_blocks: int | None = None,
+    memory: int | None = None,
+    max_requests: int | None = None,
+    max_length: int | None = None,
+    memory_percent: float | None = None,
+    max_batch_tokens: int | None = None,
+) -> CachePlan:
+    """The paged cache for `--cb-*` settings: `num_blocks` as given; else as many blocks as `memory` bytes of K/V
+    hold; else `max_requests` requests of `max_length` tokens (default the model's), at most `DEFAULT_CB_MEMORY`."""
+    from transformers import ContinuousBatchingConfig  # noqa: PLC0415
+
+    sizes = [f for f, v in (("--cb-num-blocks", num_blocks), ("--cb-memory", memory)) if v is not None]
+    if len(sizes) > 1 or (sizes and max_requests is not None):
+        named = sizes + (["--cb-max-requests"] if max_requests is not None else [])
+        raise InputError(f"{' and '.join(named)} each size the paged cache: give one of them.")
+    max_requests = max_requests or DEFAULT_MAX_REQUESTS
+    block_size = block_size or ContinuousBatchingConfig().page_size  # transformers' page size
+    layers = config.num_hidden_layers if exit_max_layer is None else exit_max_layer + 1  # a lean model's loaded ones
+    per_token, shape = kv_bytes_per_token(config, layers, dtype)
+    longest = model_max_length(config)
+    if max_length is not None:
+        if longest is not None and max_length > longest:
+            raise InputError(f"--max-length {max_length} is longer than the model's maximum length ({longest}).")
+        longest = max_length
+    block_bytes = block_size * per_token
+    from transformers.generation.continuous_batching.cache import group_layers_by_attn_type  # noqa: PLC0415
+
+    step = dict(
+        max_batch_tokens=max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS,
+        mask_bytes_per_cell=dtype.itemsize * len(group_layers_by_attn_type(config)),
+    )
+    if num_blocks is not None:
+        how = f"{shape}; --cb-num-blocks {num_blocks}"
+    elif memory is not None:
+        num_blocks = memory // block_bytes
+        if num_blocks < 1:
+            raise InputError(f"--cb-memory {memory} bytes holds no block of {block_size} tokens ({block_bytes} bytes).")
+        how = f"{shape}; the blocks of --cb-memory {memory / 2**20:.1f} MiB"
+    elif memory_percent is not None:
+        return CachePlan(block_size, None, per_token, longest, f"--cb-max-memory-percent {memory_percent}", **step)
+    else:
+        if longest is None:
+            raise InputError("the model's config names no maximum length: pass --max-length (or --cb-num-blocks).")
+        wanted = max_requests * math.ceil(longest / block_size)
+        cap = max(1, DEFAULT_CB_MEMORY // block_bytes)
+        num_blocks = min(wanted, cap)
+        how = f"{shape}; sized for {max_requests} requests of {longest} tokens (--cb-max-requests, --max-length)" + (
+            f", capped at {DEFAULT_CB_MEMORY / 2**20:.0f} MiB (--cb-memory sizes it instead)" if cap < wanted else ""
+        )
+    return CachePlan(block_size, num_blocks, per_token, longest, how, **step)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# requests checked before decoding
+# ---------------------------------------------------------------------------------------------------------------------
+class RequestRefused(Exception):
+    """A request that cannot be served as asked: HTTP 400 naming `param`."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param, self.message = param, message
+
+    def body(self) -> bytes:
+        error = {"message": self.message, "type": "invalid_request_error", "param": self.param, "code": None}
+        return json.dumps({"error": error}).encode()
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)) and math.isfinite(value)
+
+
+def _check_sampling(values: dict, prefix: str = "") -> None:
+    """The OpenAI fields transformers converts without checking (a bad one answers 500 there, or empty text)."""
+
+    def refuse(name, allowed):
+        raise RequestRefused(f"{prefix}{name}", f"`{prefix}{name}` must be {allowed}, got {values[name]!r}.")
+
+    for name in ("max_tokens", "max_completion_tokens", "max_output_tokens", "max_new_tokens"):
+        if values.get(name) is not None and not (_is_int(values[name]) and values[name] >= 1):
+            refuse(name, "an integer >= 1")
+    if values.get("temperature") is not None and not (_is_number(values["temperature"]) and values["temperature"] >= 0):
+        refuse("temperature", "a number >= 0")
+    if values.get("top_p") is not None and not (_is_number(values["top_p"]) and 0 < values["top_p"] <= 1):
+        refuse("top_p", "a number in (0, 1]")
+    penalty = values.get("frequency_penalty")
+    if penalty is not None and not (_is_number(penalty) and penalty > -1):
+        refuse("frequency_penalty", "a number > -1 (transformers decodes with repetition_penalty = 1 + it)")
+    if values.get("seed") is not None and not _is_int(values["seed"]):
+        refuse("seed", "an integer")
+    if values.get("stream") is not None and not isinstance(values["stream"], bool):
+        refuse("stream", "true or false")
+    stop = values.get("stop")
+    if stop is not None and not (
+        isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
+    ):
+        refuse("stop", "a string or a list of strings")
+
+
+def _check_drafts(given: dict, model_config) -> None:
+    """Draft settings of a sequential request's `generation_config` (`generate` decodes with them)."""
+
+    def refuse(name, allowed):
+        raise RequestRefused(
+            f"generation_config.{name}", f"`{name}` in `generation_config` must be {allowed}, got {given[name]!r}."
+        )
+
+    for name in ("prompt_lookup_num_tokens", "max_matching_ngram_size", "num_assistant_tokens", MAX_BATCH_FIELD):
+        if given.get(name) is not None and not (_is_int(given[name]) and given[name] >= 1):
+            refuse(name, "an integer >= 1")
+    exits = [e + 1 for e in (getattr(model_config, "exit_layers", None) or [])]
+    if given.get("assistant_early_exit") is not None and given["assistant_early_exit"] not in exits:
+        refuse("assistant_early_exit", f"the number of layers that draft, ending at an exit: one of {exits}")
+    schedule = given.get("num_assistant_tokens_schedule")
+    if schedule is not None and schedule not in SCHEDULES:
+        refuse("num_assistant_tokens_schedule", f"one of {list(SCHEDULES)}")
+    threshold = given.get("assistant_confidence_threshold")
+    if threshold is not None and not (_is_number(threshold) and 0 <= threshold <= 1):
+        refuse("assistant_confidence_threshold", "a number in [0, 1]")
+    lookup = given.get("prompt_lookup_num_tokens")
+    stored = getattr(model_config, "draft_vocab_size", None) or 0
+    vocab = given.get("assistant_vocab_size")
+    if vocab is not None and not (_is_int(vocab) and 1 <= vocab <= stored and given.get("assistant_early_exit")):
+        refuse(
+            "assistant_vocab_size",
+            f"an integer in [1, {stored}] (the stored draft vocabulary) with assistant_early_exit",
+        )
+    width = given.get("speculative_verify_width")
+    if width is not None and not (_is_int(width) and width >= 1 and lookup):
+        refuse("speculative_verify_width", "an integer >= 1 with prompt_lookup_num_tokens")
+    table = given.get("speculative_table_drafts")
+    if table not in (None, False) and not (
+        table is True and lookup and getattr(model_config, "draft_table_size", None)
+    ):
+        refuse("speculative_table_drafts", "true or false; true needs prompt_lookup_num_tokens and a stored table")
+
+
+def request_error(body, model_config, continuous_batching: bool) -> RequestRefused | None:
+    """Why a generation request cannot be served as asked (None: it can), before it is tokenized."""
+    if not isinstance(body, dict):
+        return None  # not an object: transformers' handler answers it (422)
+    try:
+        _check_sampling(body)
+        if continuous_batching and body.get("stop"):
+            raise RequestRefused(
+                "stop",
+                "`stop` with --continuous-batching: transformers' continuous batching stops a request at EOS or "
+                "`max_tokens` only (its requests carry no stop strings), so the strings would be ignored. Leave "
+                "`stop` out, or serve without --continuous-batching.",
+            )
+        raw = body.get("generation_config")
+        if raw is None:
+            return None
+        try:
+            given = json.loads(raw) if isinstance(raw, str) else dict(raw)
+            if not isinstance(given, dict):
+                raise TypeError(f"it holds a {type(given).__name__}")
+        except (TypeError, ValueError) as error:
+            raise RequestRefused("generation_config", f"`generation_config` is not a JSON object: {error}") from None
+        _check_sampling(given, "generation_config.")
+        if continuous_batching and given.get("stop_strings"):
+            raise RequestRefused(
+                "generation_config.stop_strings",
+                "`stop_strings` with --continuous-batching: transformers' continuous batching stops a request at EOS "
+                "or `max_tokens` only, so the strings would be ignored. Leave them out, or serve without "
+                "--continuous-batching.",
+            )
+        exits = sorted(k for k in given if k in EXIT_ARGUMENTS)
+        drafts = sorted(k for k in given if k in DRAFT_ARGUMENTS)
+        if continuous_batching and (exits or drafts):
+            raise RequestRefused(
+                f"generation_config.{(exits + drafts)[0]}",
+                f"{exits + drafts} in a request: with --continuous-batching, transformers runs one batching manager "
+                "for the whole server, so exit and draft settings are the server's (the folder's stored ones, or "
+                "--exit-settings). Leave them out, or serve without --continuous-batching for per-request settings.",
+            )
+        _check_drafts(given, model_config)
+        if exits:
+            try:
+                resolve_exit_settings(model_config, {name: given.get(name) for name in EXIT_ARGUMENTS})
+            except ValueError as error:
+                named = next((n for n in exits if f"`{n}" in str(error)), exits[0])
+                raise RequestRefused(f"generation_config.{named}", str(error)) from None
+    except RequestRefused as refused:
+        return refused
+    return None
+
+
+def exit_settings_error(body: dict, model_config, continuous_batching: bool) -> str | None:
+    """The message of `request_error` (None: the request can be served)."""
+    refused = request_error(body, model_config, continuous_batching)
+    return None if refused is None else refused.message
+
+
+def length_error(
+    prompt_tokens: int, new_tokens: int | None, plan: CachePlan | None, path: str
+) -> RequestRefused | None:
+    """A prompt that, with the tokens it asks for, does not fit the model's length or the paged cache."""
+    limit = plan.max_length if plan is not None else None
+    if limit is None:
+        return None
+    prompt_field, fields = LENGTH_FIELDS.get(path, LENGTH_FIELDS["/v1/completions"])
+    why = f"the model's maximum length {plan.model_max_length}" if limit == plan.model_max_length else "the paged cache"
+    if prompt_tokens >= limit:
+        return RequestRefused(
+            prompt_field,
+            f"the prompt has {prompt_tokens} tokens; a request may hold {limit} tokens ({why}), prompt and "
+            "completion together.",
+        )
+    if new_tokens is not None and prompt_tokens + new_tokens > limit:
+        return RequestRefused(
+            fields[0],
+            f"the prompt has {prompt_tokens} tokens and `{'` / `'.join(fields)}` asks for {new_tokens} more; a "
+            f"request may hold {limit} tokens ({why}): ask for at most {limit - prompt_tokens}.",
+        )
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the server's seams
+# ---------------------------------------------------------------------------------------------------------------------
+class ServerHooks:
+    """What this command adds to transformers' app: the request check (ASGI middleware), the length check (around
+    the generation managers), cancellation of non-streaming requests whose client left, `GET /v1/ee/cache`."""
+
+    def __init__(self, model_config, continuous_batching: bool, plan: CachePlan | None):
+        self.model_config, self.continuous_batching, self.plan = model_config, continuous_batching, plan
+        self.generation_state = None  # transformers' GenerationState, once the app is built
+        self.sampling = None  # the batching manager's sampling settings: the first batched request's
+
+    def check_sampling(self, gen_config) -> None:
+        """transformers' continuous batching decodes every request with the sampling settings of the first one
+        (`CBGenerateManager.init_cb`; only `max_tokens` and EOS are per request): a request that asks for others
+        answers 400 instead of being decoded with settings it did not ask for."""
+        asked = sampling_settings(gen_config)
+        if self.sampling is None:
+            self.sampling = asked
+        differs = [n for n in {**self.sampling, **asked} if asked.get(n) != self.sampling.get(n)]
+        if differs:
+            raise RequestRefused(
+                "temperature" if "do_sample" in differs else differs[0],
+                f"with --continuous-batching, transformers decodes every request with the sampling settings of the "
+                f"server's first request ({self.sampling}); this one asks for {asked}. Send those settings, or serve "
+                "without --continuous-batching for per-request sampling.",
+            )
+
+    def cb_manager(self):
+        """transformers' `ContinuousBatchingManager` of this server (None before the first batched request)."""
+        holder = getattr(self.generation_state, "_cb_manager", None)
+        return getattr(holder, "_cb", None)
+
+    def cache_state(self) -> dict:
+        manager = self.cb_manager()
+        processor = getattr(manager, "batch_processor", None)
+        if processor is None:
+            return {"started": False}
+        cache, scheduler = processor.cache, processor.scheduler
+        total = cache.num_sectors * cache.bytes_per_sector
+        free = int(cache.compute_free_capacity(relative=False))
+        return {
+            "started": True,
+            "num_blocks": cache.num_blocks,
+            "free_blocks": cache.num_blocks * free // total,
+            "kv_bytes": total,
+            "free_kv_bytes": free,
+            "cached_blocks": sum(len(a.ledger.cached_blocks) for a in cache.cache_allocators.values()),
+            "active_requests": len(scheduler.active_requests),
+            "waiting_requests": len(scheduler.waiting_requests),
+        }
+
+
+class RequestCheck:
+    """ASGI middleware: a POST to a generation endpoint that `request_error` refuses answers 400 before it reaches
+    transformers' handler; every other request passes untouched (its body replayed as it came). A non-streaming
+    request whose client disconnects is cancelled in the batching manager (a streaming one transformers cancels)."""
+
+    def __init__(self, app, hooks: ServerHooks):
+        self.app, self.hooks = app, hooks
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["method"] == "GET" and scope["path"] == CACHE_ENDPOINT:
+            return await _send_json(send, 200, json.dumps(self.hooks.cache_state()).encode())
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in ENDPOINTS:
+            return await self.app(scope, receive, send)
+        chunks, more = [], True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        body = b"".join(chunks)
+        try:
+            parsed = json.loads(body or b"{}")
+        except ValueError:
+            parsed = None  # not JSON: transformers' handler answers it
+        refused = request_error(parsed, self.hooks.model_config, self.hooks.continuous_batching)
+        if refused is not None:
+            return await _send_json(send, 400, refused.body())
+        headers = dict(scope["headers"])
+        request_id = headers.get(b"x-request-id", b"").decode() or uuid.uuid4().hex
+        if b"x-request-id" not in headers:  # transformers names the batching request after it
+            scope = {**scope, "headers": [*scope["headers"], (b"x-request-id", request_id.encode())]}
+        parsed = parsed if isinstance(parsed, dict) else {}
+        fields = LENGTH_FIELDS[scope["path"]][1]
+        gc = parsed.get("generation_config")
+        length_given = any(parsed.get(f) is not None for f in fields) or (
+            isinstance(gc, str) and '"max_new_tokens"' in gc
+        )
+        _REQUEST.set((scope["path"], length_given))
+        messages, replayed, left = asyncio.Queue(), [False], asyncio.Event()
+
+        async def pump():  # the client's messages after the body (a disconnect, when it leaves)
+            while True:
+                message = await receive()
+                await messages.put(message)
+                if message["type"] == "http.disconnect":
+                    left.set()
+                    return
+
+        async def replay():
+            if not replayed[0]:
+                replayed[0] = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await messages.get()
+
+        pumping = asyncio.create_task(pump())
+        serving = asyncio.create_task(self.app(scope, replay, send))
+        try:
+            if parsed.get("stream") is True:  # transformers cancels a stream whose client left
+                return await serving
+            leaving = asyncio.create_task(left.wait())
+            done, _ = await asyncio.wait({serving, leaving}, return_when=asyncio.FIRST_COMPLETED)
+            if serving in done:
+                leaving.cancel()
+                return serving.result()
+            manager = self.hooks.cb_manager()
+            if manager is not None:
+                manager.cancel_request(request_id)
+            serving.cancel()
+            await asyncio.gather(serving, return_exceptions=True)
+        finally:
+            pumping.cancel()
+
+
+async def _send_json(send, status: int, payload: bytes):
+    await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": payload})
+
+
+def sampling_settings(gen_config) -> dict:
+    """What continuous batching samples with, as a request's `GenerationConfig` sets it (greedy: nothing else)."""
+    settings = {"do_sample": bool(gen_config.do_sample), "repetition_penalty": gen_config.repetition_penalty}
+    if settings["do_sample"]:
+        settings.update({n: getattr(gen_config, n, None) for n in ("temperature", "top_p", "top_k", "min_p")})
+    return settings
+
+
+def _length_checked(method, hooks: ServerHooks, batched: bool = False):
+    """A generation manager's `generate_streaming` / `generate_non_streaming` that first refuses a prompt that does
+    not fit (`length_error`), with transformers' own tokenization of the request; a request that did not set its
+    completion length gets at most what fits (transformers' default is 1024 tokens)."""
+
+    def check(inputs, gen_config):
+        if batched:
+            hooks.check_sampling(gen_config)
+        ids = inputs["input_ids"]
+        prompt = len(ids) if isinstance(ids, list) else int(ids.shape[-1])
+        path, length_given = _REQUEST.get()
+        limit = hooks.plan.max_length if hooks.plan is not None else None
+        if not length_given and limit is not None and prompt < limit and gen_config.max_new_tokens is not None:
+            gen_config.max_new_tokens = min(gen_config.max_new_tokens, limit - prompt)
+        refused = length_error(prompt, gen_config.max_new_tokens, hooks.plan, path)
+        if refused is not None:
+            raise refused
+
+    if asyncio.iscoroutinefunction(method):
+
+        async def checked(self, model, processor, inputs, gen_config, *args, **kwargs):
+            check(inputs, gen_config)
+            return await method(self, model, processor, inputs, gen_config, *args, **kwargs)
+
+    else:
+
+        def checked(self, model, processor, inputs, gen_config, *args, **kwargs):
+            check(inputs, gen_config)
+            return method(self, model, processor, inputs, gen_config, *args, **kwargs)
+
+    checked.__wrapped__ = method
+    return checked
+
+
+def install_hooks(hooks: ServerHooks) -> None:
+    """Wraps transformers' app factory (`build_server`, the one seam its server offers) so the app it returns checks
+    requests first, answers `RequestRefused` with 400 and `GET /v1/ee/cache`, and its generation managers check
+    prompt lengths."""
+    from fastapi.responses import Response  # noqa: PLC0415
+    from transformers.cli.serving import server, utils  # noqa: PLC0415
+
+    build = getattr(server.build_server, "__wrapped__", server.build_server)
+
+    async def refused(_request, error: RequestRefused):
+        return Response(error.body(), status_code=400, media_type="application/json")
+
+    def build_server(*args, **kwargs):
+        app = build(*args, **kwargs)
+        hooks.generation_state = kwargs.get("generation_state")
+        app.add_exception_handler(RequestRefused, refused)
+        app.add_middleware(RequestCheck, hooks=hooks)
+        return app
+
+    build_server.__wrapped__ = build
+    server.build_server = build_server
+    for cls in (utils.GenerateManager, utils.CBGenerateManager):
+        for name in ("generate_streaming", "generate_non_streaming"):
+            method = getattr(getattr(cls, name), "__wrapped__", getattr(cls, name))
+            setattr(cls, name, _length_checked(method, hooks, batched=cls is utils.CBGenerateManager))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the command
+# ---------------------------------------------------------------------------------------------------------------------
 class FolderLoader:
     """What transformers' model manager calls for a class: `from_pretrained`, here with `exit_max_layer` and
     server-wide exit settings applied."""
@@ -62,84 +621,48 @@ def register_classes(exit_max_layer: int | None = None, exit_settings: dict | No
     return names
 
 
-def exit_settings_error(body: dict, model_config, continuous_batching: bool) -> str | None:
-    """Why a request's exit settings cannot be served (None: they can)."""
-    raw = body.get("generation_config")
-    if raw is None:
-        return None
-    try:
-        given = json.loads(raw) if isinstance(raw, str) else dict(raw)
-    except (TypeError, ValueError) as error:
-        return f"`generation_config` is not a JSON object: {error}"
-    exits = {k: v for k, v in given.items() if k in EXIT_ARGUMENTS}
-    if not exits:
-        return None
-    if continuous_batching:
-        return (
-            f"{sorted(exits)} in a request: with --continuous-batching, transformers runs one batching manager for the "
-            "whole server, so exit settings are the server's (the folder's stored ones, or --exit-settings). Leave them out, or "
-            "serve without --continuous-batching for per-request settings."
-        )
-    try:
-        resolve_exit_settings(model_config, {name: exits.get(name) for name in EXIT_ARGUMENTS})
-    except ValueError as error:
-        return str(error)
-    return None
-
-
-class ExitSettingsCheck:
-    """ASGI middleware: a POST to a generation endpoint whose exit settings cannot be served answers 400 before it
-    reaches transformers' handler; every other request passes untouched (its body replayed as it came)."""
-
-    def __init__(self, app, model_config, continuous_batching: bool):
-        self.app, self.model_config, self.continuous_batching = app, model_config, continuous_batching
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in ENDPOINTS:
-            return await self.app(scope, receive, send)
-        chunks, more = [], True
-        while more:
-            message = await receive()
-            chunks.append(message.get("body", b""))
-            more = message.get("more_body", False)
-        body = b"".join(chunks)
+def _positive(name):
+    def parse(text):
         try:
-            error = exit_settings_error(json.loads(body or b"{}"), self.model_config, self.continuous_batching)
+            value = int(text)
         except ValueError:
-            error = None  # not JSON: transformers' handler answers it
-        if error is not None:
-            payload = json.dumps({"error": {"message": error, "type": "invalid_request_error"}}).encode()
-            await send(
-                {"type": "http.response.start", "status": 400, "headers": [(b"content-type", b"application/json")]}
-            )
-            return await send({"type": "http.response.body", "body": payload})
+            value = 0
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+        return value
 
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if replayed:
-                return await receive()
-            replayed = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        return await self.app(scope, replay, send)
+    return parse
 
 
-def install_exit_check(model_config, continuous_batching: bool) -> None:
-    """Wraps transformers' app factory (`build_server`, the one seam its server offers) so the app it returns checks
-    exit settings first."""
-    from transformers.cli.serving import server  # noqa: PLC0415
+def _size(text):
+    try:
+        return parse_bytes(text)
+    except InputError as error:  # argparse names the flag itself
+        raise argparse.ArgumentTypeError(str(error).removeprefix("--cb-memory ")) from None
 
-    build = getattr(server.build_server, "__wrapped__", server.build_server)
 
-    def build_server(*args, **kwargs):
-        app = build(*args, **kwargs)
-        app.add_middleware(ExitSettingsCheck, model_config=model_config, continuous_batching=continuous_batching)
-        return app
-
-    build_server.__wrapped__ = build
-    server.build_server = build_server
+def add_cache_arguments(parser) -> None:
+    """The paged cache's flags (transformers' `--cb-*` names where it has them)."""
+    group = parser.add_argument_group("paged cache (with --continuous-batching)")
+    group.add_argument("--cb-block-size", type=_positive("--cb-block-size"), help="tokens per block (default 256)")
+    group.add_argument("--cb-num-blocks", type=_positive("--cb-num-blocks"), help="blocks of the paged cache")
+    group.add_argument("--cb-memory", type=_size, help="bytes of K/V, e.g. 512MiB (default: see --cb-max-requests)")
+    group.add_argument(
+        "--cb-max-requests",
+        type=_positive("--cb-max-requests"),
+        default=None,
+        help=f"with no size given, the cache holds this many requests of --max-length tokens, at most "
+        f"{DEFAULT_CB_MEMORY // 2**20} MiB (default {DEFAULT_MAX_REQUESTS})",
+    )
+    group.add_argument(
+        "--max-length", type=_positive("--max-length"), help="most tokens per request (default: the model's)"
+    )
+    group.add_argument(
+        "--cb-max-batch-tokens",
+        type=_positive("--cb-max-batch-tokens"),
+        help=f"most tokens per step (default {DEFAULT_MAX_BATCH_TOKENS}; transformers' 8192 keeps a larger mask)",
+    )
+    group.add_argument("--cb-max-memory-percent", type=float, help="alone: transformers' sizing from free memory")
 
 
 def main(argv=None):
@@ -157,16 +680,40 @@ def main(argv=None):
         default=None,
         help="the server's exit settings as JSON, over the stored ones, e.g. '{\"exit_threshold\": 0.9}'",
     )
-    args, rest = parser.parse_known_args(argv)
+    add_cache_arguments(parser)
     try:
-        serve(args.folder, rest, args.exit_max_layer, args.exit_settings)
+        args, rest = parser.parse_known_args(argv)
+        serve(args.folder, rest, args.exit_max_layer, args.exit_settings, cache=args)
     except ValueError as error:  # one line and exit code 2, as every subcommand
         parser.exit(2, f"{parser.prog}: error: {' '.join(str(error).split())}\n")
     return 0
 
 
-def serve(folder: str, transformers_args: list, exit_max_layer: int | None = None, exit_settings: dict | None = None):
-    """Runs `transformers serve FOLDER --trust-remote-code *transformers_args` with this package's classes."""
+CACHE_FLAGS = ("cb_block_size", "cb_num_blocks", "cb_memory", "cb_max_requests", "max_length", "cb_max_batch_tokens")
+
+
+def cache_flags(plan: CachePlan, cache) -> list[str]:
+    """transformers serve's own flags for the plan."""
+    flags = []
+    if plan.num_blocks is not None:
+        flags += ["--cb-num-blocks", str(plan.num_blocks)]
+    if getattr(cache, "cb_block_size", None) is not None:  # transformers' default page size otherwise (no warning)
+        flags += ["--cb-block-size", str(plan.block_size)]
+    flags += ["--cb-max-batch-tokens", str(plan.max_batch_tokens)]
+    if getattr(cache, "cb_max_memory_percent", None) is not None:
+        flags += ["--cb-max-memory-percent", str(cache.cb_max_memory_percent)]
+    return flags
+
+
+def serve(
+    folder: str,
+    transformers_args: list,
+    exit_max_layer: int | None = None,
+    exit_settings: dict | None = None,
+    cache=None,
+):
+    """Runs `transformers serve FOLDER --trust-remote-code *transformers_args` with this package's classes; `cache`
+    holds the paged cache's flags (`add_cache_arguments`)."""
     try:
         from transformers.cli.transformers import app  # noqa: PLC0415
     except ImportError as error:
@@ -181,6 +728,35 @@ def serve(folder: str, transformers_args: list, exit_max_layer: int | None = Non
         if unknown:
             raise InputError(f"--exit-settings: {unknown} are not exit settings; allowed: {sorted(EXIT_ARGUMENTS)}")
         resolve_exit_settings(model_config, {name: exit_settings.get(name) for name in EXIT_ARGUMENTS})
+    continuous = "--continuous-batching" in transformers_args
+    given = [n for n in (*CACHE_FLAGS, "cb_max_memory_percent") if getattr(cache, n, None) is not None]
+    given = [n for n in given if n != "max_length"]  # sequential serving holds it too
+    plan = None
+    if continuous:
+        dtype_flag = next(
+            (transformers_args[i + 1] for i, a in enumerate(transformers_args[:-1]) if a == "--dtype"), None
+        )
+        plan = plan_paged_cache(
+            model_config,
+            served_dtype(model_config, dtype_flag),
+            exit_max_layer,
+            block_size=getattr(cache, "cb_block_size", None),
+            num_blocks=getattr(cache, "cb_num_blocks", None),
+            memory=getattr(cache, "cb_memory", None),
+            max_requests=getattr(cache, "cb_max_requests", None),
+            max_length=getattr(cache, "max_length", None),
+            memory_percent=getattr(cache, "cb_max_memory_percent", None),
+            max_batch_tokens=getattr(cache, "cb_max_batch_tokens", None),
+        )
+        transformers_args = [*transformers_args, *cache_flags(plan, cache)]
+        print(plan.line(), file=sys.stderr, flush=True)
+    elif given:
+        raise InputError(
+            f"{['--' + n.replace('_', '-') for n in given]} size the paged cache: add --continuous-batching."
+        )
     register_classes(exit_max_layer, exit_settings)
-    install_exit_check(model_config, "--continuous-batching" in transformers_args)
+    if plan is None:  # sequential: the model's length is the limit
+        longest = getattr(cache, "max_length", None) or model_max_length(model_config)
+        plan = CachePlan(1, None, 0, longest, "sequential")
+    install_hooks(ServerHooks(model_config, continuous, plan))
     app(["serve", folder, "--trust-remote-code", *transformers_args], prog_name="ee-transformers serve")

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from ee_transformers.speculative_early_exit import OUR_FIELDS, TABLE_FIELD, WIDTH_FIELD
+from ee_transformers.speculative_early_exit import GATE_FIELD, OUR_FIELDS, TABLE_FIELD, WIDTH_FIELD
 from ee_transformers.tools.arguments import (
     ArgumentParser,
     InputError,
@@ -38,7 +38,8 @@ from ee_transformers.tools.arguments import (
     config_from_args,
     run_command,
 )
-from ee_transformers.tools.bench.loading import heldout_prompts, load_models, make_batches
+from ee_transformers.tools.assets.text import text_slice
+from ee_transformers.tools.bench.loading import default_text_files, heldout_prompts, load_models, make_batches
 from ee_transformers.tools.bench.timing import greedy_generation_config, only_these_drafts, without_eos
 
 __all__ = [
@@ -92,8 +93,29 @@ class LosslessConfig:
         default=None,
         metadata={
             "help": "build the draft table before timing (not saved) from 'training' (the main job's fitting text: "
-            "the five training novels, the first half of the Python manual) or a text file"
+            "the five training novels, the first half of the Python manual), 'austen' (the five novels alone), "
+            "'python' (the manual's half alone) or a text file"
         },
+    )
+    domain: str | None = field(
+        default=None,
+        metadata={
+            "help": "take every prompt from one held-out domain, 'austen' or 'python' (default: both, alternating); "
+            "with --table-from the other domain, drafts are measured on text the table was not built from"
+        },
+    )
+    workload: str = field(
+        default="heldout",
+        metadata={
+            "help": "'heldout': windows of held-out text, every run from an empty history; 'repeated': several "
+            "requests over one document (each held-out window asked --requests times, with different copy-edit "
+            "instructions), timed as whole passes in order, the history kept within a pass (emptied before it)"
+        },
+    )
+    requests: int = field(default=4, metadata={"help": "requests per document of the repeated workload", "min": 1})
+    gate_ablation: bool = field(
+        default=False,
+        metadata={"help": "also time each of our context-draft rows with speculative_gate=False (every round drafts)"},
     )
     heuristic_schedule: bool = field(
         default=False,
@@ -107,6 +129,10 @@ class LosslessConfig:
 
     def __post_init__(self):
         check_fields(self)
+        if self.workload not in ("heldout", "repeated"):
+            raise ValueError(f"`workload` must be 'heldout' or 'repeated', got {self.workload!r}.")
+        if self.domain not in (None, "austen", "python"):
+            raise ValueError(f"`domain` must be 'austen' or 'python', got {self.domain!r}.")
         for value in self.lookup:
             parts = value.split(":")
             if len(parts) not in (2, 3) or not all(p.isdigit() and int(p) > 0 for p in parts):
@@ -139,6 +165,9 @@ def lossless_rows(config: LosslessConfig) -> list[dict]:
         )
         for tag, kwargs in variants:
             rows.append(dict(name=name + tag, who="ours", kwargs=kwargs, batch_1_only=False))
+            if config.gate_ablation:
+                ungated = {**kwargs, GATE_FIELD: False}
+                rows.append(dict(name=name + tag + ", no gate", who="ours", kwargs=ungated, batch_1_only=False))
             if config.heuristic_schedule:
                 heuristic = {**kwargs, "num_assistant_tokens_schedule": "heuristic"}
                 rows.append(dict(name=name + tag + ", heuristic", who="ours", kwargs=heuristic, batch_1_only=False))
@@ -154,7 +183,12 @@ def lossless_rows(config: LosslessConfig) -> list[dict]:
     return rows
 
 
-def _timed(model, ids, mask, generation_config, kwargs):
+def _timed(model, ids, mask, generation_config, kwargs, keep_history=False):
+    """One run. Ours starts from an empty history index (unless `keep_history`): the same prompts run many times
+    here, and a history of their own earlier outputs would measure memory of the answer, not drafts on unseen text
+    (the acceptance statistics and step costs the gate learned are kept: they hold no text)."""
+    if hasattr(model, "drafter") and not keep_history:
+        model.drafter.history.clear()
     config = copy.deepcopy(generation_config)
     ours = {k: v for k, v in kwargs.items() if k in OUR_FIELDS}  # not GenerationConfig fields: arguments
     config.update(**{k: v for k, v in kwargs.items() if k not in ours})  # transformers deprecates mixing the two
@@ -182,7 +216,7 @@ def measure_rows(ee, plain, batches, rows, generation_config, rounds, log=print)
         reference[id(ids)] = _timed(plain, ids, mask, generation_config, {})[1].sequences
     for row in rows:  # warm-up of every row
         _timed(ee if row["who"] == "ours" else plain, *batches[0][:2], generation_config, row["kwargs"])
-    times, plain_times, forwards = ([[] for _ in rows] for _ in range(3))
+    times, plain_times, forwards, drafted, accepted = ([[] for _ in rows] for _ in range(5))
     identical = [True] * len(rows)
     for round_ in range(rounds):
         order = list(range(len(rows)))[:: 1 if round_ % 2 == 0 else -1]
@@ -196,6 +230,8 @@ def measure_rows(ee, plain, batches, rows, generation_config, rounds, log=print)
                 plain_times[i].append((before + after) / 2)
                 identical[i] &= torch.equal(out.sequences, reference[id(ids)])
                 forwards[i].append(_forwards(out, new_tokens))
+                drafted[i].append(int(out.draft_tokens.sum()) if getattr(out, "draft_tokens", None) is not None else 0)
+                accepted[i].append(int(out.accepted_tokens.sum()) if drafted[i][-1] else 0)
                 before = after
         log(f"  batch {batches[0][0].shape[0]}: round {round_ + 1}/{rounds} done")
     results = []
@@ -213,7 +249,95 @@ def measure_rows(ee, plain, batches, rows, generation_config, rounds, log=print)
                 high=max(ratios),
                 tokens_per_forward=(new_tokens - 1) / statistics.mean(forwards[i]),
                 identical=identical[i],
+                drafted=sum(drafted[i]),
+                accepted=sum(accepted[i]),
                 plain_ms_per_token=1000 * statistics.mean(plain_times[i]) / new_tokens,
+            )
+        )
+    return results
+
+
+EDITS = (
+    "Copy this text exactly.",
+    "Fix the spelling mistakes in this text, if any.",
+    "Repeat the text below, word for word.",
+    "Rewrite this text with its typos corrected.",
+)
+
+
+def repeated_prompts(tokenizer, prompts, requests) -> list[dict]:
+    """Each of `prompts` (held-out windows) asked `requests` times, one copy-edit instruction (`EDITS`) each, in the
+    chat template when the tokenizer has one: document 0's requests first, then document 1's, ..."""
+    out = []
+    for prompt in prompts:
+        text = tokenizer.decode(prompt["ids"])
+        for k in range(requests):
+            message = f"{EDITS[k % len(EDITS)]}\n\n{text}"
+            if getattr(tokenizer, "chat_template", None):
+                ids = tokenizer.apply_chat_template(
+                    [{"role": "user", "content": message}], add_generation_prompt=True, tokenize=True
+                )
+                ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+            else:
+                ids = tokenizer(message + "\n\n", add_special_tokens=False)["input_ids"]
+            out.append({"domain": prompt["domain"], "ids": list(ids)})
+    return out
+
+
+def measure_workload(ee, plain, batches, rows, generation_config, rounds, log=print) -> list[dict]:
+    """Whole passes over `batches` in order, paired and interleaved like `measure_rows` (plain, row, plain, ...): a
+    pass of ours starts from an empty history index and keeps what each batch generates for the batches after it,
+    as a process serving these requests in turn would."""
+
+    def run(model, kwargs):
+        if hasattr(model, "drafter"):
+            model.drafter.history.clear()
+        seconds, outs = 0.0, []
+        for ids, mask, _ in batches:
+            t, out = _timed(model, ids, mask, generation_config, kwargs, keep_history=True)
+            seconds, outs = seconds + t, outs + [out]
+        return seconds, outs
+
+    new_tokens = generation_config.max_new_tokens
+    _, reference = run(plain, {})
+    for row in rows:  # warm-up
+        run(ee if row["who"] == "ours" else plain, row["kwargs"])
+    results = []
+    times, plain_times, stats = ([[] for _ in rows] for _ in range(3))
+    identical = [True] * len(rows)
+    for round_ in range(rounds):
+        before, _ = run(plain, {})
+        for i, row in enumerate(rows):
+            seconds, outs = run(ee if row["who"] == "ours" else plain, row["kwargs"])
+            after, _ = run(plain, {})
+            times[i].append(seconds)
+            plain_times[i].append((before + after) / 2)
+            before = after
+            identical[i] &= all(torch.equal(o.sequences, r.sequences) for o, r in zip(outs, reference))
+            stats[i] += outs
+        log(f"  repeated workload: round {round_ + 1}/{rounds} done")
+    for i, row in enumerate(rows):
+        ratios = [p / t for p, t in zip(plain_times[i], times[i])]
+        drafted = sum(int(o.draft_tokens.sum()) for o in stats[i] if getattr(o, "draft_tokens", None) is not None)
+        accepted = sum(
+            int(o.accepted_tokens.sum()) for o in stats[i] if getattr(o, "accepted_tokens", None) is not None
+        )
+        forwards = [_forwards(o, new_tokens) for o in stats[i]]
+        results.append(
+            dict(
+                name=row["name"] + ", repeated workload",
+                who=row["who"],
+                batch_size=int(batches[0][0].shape[0]),
+                kwargs=row["kwargs"],
+                speedup=sum(plain_times[i]) / sum(times[i]),
+                median=statistics.median(ratios),
+                low=min(ratios),
+                high=max(ratios),
+                tokens_per_forward=(new_tokens - 1) / statistics.mean(forwards),
+                identical=identical[i],
+                drafted=drafted,
+                accepted=accepted,
+                plain_ms_per_token=1000 * statistics.mean(plain_times[i]) / (new_tokens * len(batches)),
             )
         )
     return results
@@ -227,8 +351,12 @@ def run_lossless(ee, plain, prompts, config: LosslessConfig, log=print) -> dict:
     with without_eos(ee, plain):
         generation_config = greedy_generation_config(plain, config.new_tokens, clear_exit_settings=True)
         for batch_size in config.batch_sizes:
-            batches = make_batches(prompts, batch_size, max_batches=max(1, config.num_prompts // batch_size))
             rows = [r for r in lossless_rows(config) if batch_size == 1 or not r["batch_1_only"]]
+            if config.workload == "repeated":  # every request, in order, in batches of consecutive requests
+                batches = make_batches(prompts, batch_size, max_batches=-(-len(prompts) // batch_size))
+                results += measure_workload(ee, plain, batches, rows, generation_config, config.rounds, log)
+                continue
+            batches = make_batches(prompts, batch_size, max_batches=max(1, config.num_prompts // batch_size))
             results += measure_rows(ee, plain, batches, rows, generation_config, config.rounds, log)
     return {"config": asdict(config), "results": results}
 
@@ -238,13 +366,13 @@ def format_lossless(report: dict) -> str:
         return f"{r['tokens_per_forward']:.2f}" if r["who"] == "ours" else "-"
 
     lines = [
-        "| batch | mode | who | speed-up (sum) | median (min-max) | tokens / full forward | identical |",
-        "|---|---|---|---|---|---|---|",
+        "| batch | mode | who | speed-up (sum) | median (min-max) | tokens / full forward | drafts kept | identical |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in report["results"]:
         lines.append(
             f"| {r['batch_size']} | {r['name']} | {r['who']} | **{r['speedup']:.2f}x** | {r['median']:.2f}x "
-            f"({r['low']:.2f}-{r['high']:.2f}) | {per_forward(r)} | {'yes' if r['identical'] else 'NO'} |"
+            f"({r['low']:.2f}-{r['high']:.2f}) | {per_forward(r)} | {_kept(r)} | {'yes' if r['identical'] else 'NO'} |"
         )
     plain = {r["batch_size"]: r["plain_ms_per_token"] for r in report["results"]}
     lines.append("")
@@ -252,17 +380,27 @@ def format_lossless(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _kept(r):
+    if r["who"] != "ours" or "drafted" not in r:
+        return "-"
+    return f"{r['accepted']}/{r['drafted']}" if r["drafted"] else "0 (plain)"
+
+
 def store_table_from(model, tokenizer, source: str, max_chars: int | None = None) -> tuple[int, int]:
     """Stores in `model` the draft table of `source` ('training': the main job's fitting text, at most `max_chars`
-    of each source; else a text file); returns (its entries, the tokens it was counted on)."""
+    of each source; 'austen' / 'python': its novels / its manual half alone; else a text file); returns (its
+    entries, the tokens it was counted on)."""
     from ee_transformers.tools.assets import token_sequences, training_texts
 
-    if source == "training":
+    if source in ("training", "austen", "python"):
         texts = training_texts(max_chars)
+        texts = {"training": texts, "austen": texts[:-1], "python": texts[-1:]}[source]
     elif Path(source).is_file():
         texts = [Path(source).read_text(encoding="utf-8", errors="replace")]
     else:
-        raise InputError(f"`--table-from` must be 'training' or a text file, got {source!r} (no such file).")
+        raise InputError(
+            f"`--table-from` must be 'training', 'austen', 'python' or a text file, got {source!r} (no such file)."
+        )
     sequences = token_sequences(texts, tokenizer)
     return model.set_draft_table(sequences), sum(map(len, sequences))
 
@@ -292,7 +430,15 @@ def _run(args):
             f"`--table-drafts` needs a draft table: the folder {args.model} stores none; pass `--table-from training` "
             "or a text file."
         )
-    prompts = heldout_prompts(tokenizer, num_prompts=config.num_prompts, window=config.prompt_tokens, seed=config.seed)
+    texts = None
+    if config.domain:
+        path, region = default_text_files()[config.domain]
+        texts = {config.domain: text_slice(path, region, 10**9)}
+    prompts = heldout_prompts(
+        tokenizer, num_prompts=config.num_prompts, window=config.prompt_tokens, seed=config.seed, texts=texts
+    )
+    if config.workload == "repeated":
+        prompts = repeated_prompts(tokenizer, prompts, config.requests)
     report = run_lossless(ee, plain, prompts, config)
     table = format_lossless(report)
     print(table)

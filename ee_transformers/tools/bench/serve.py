@@ -1,5 +1,5 @@
 """`ee-transformers bench-serve`: transformers' own server under load from the `openai` client, early-exit folders
-against plain `transformers serve` of the base model, sequential and continuous batching, in one run.
+against plain `transformers serve --continuous-batching` of the base model, in one run on one machine.
 
 Each server is a child process on 127.0.0.1 (killed by its PID when its rows are done):
 
@@ -8,10 +8,24 @@ Each server is a child process on 127.0.0.1 (killed by its PID when its rows are
 * exits: the same with `--exit-settings JSON` (given confident-exit settings; lossy);
 * lean: the same with `--exit-max-layer E` (HELIOS: layers above E are not loaded, every token exits by E).
 
-For each server, each mode (`sequential`: transformers' one inference thread; `continuous-batching`) and each number
-of concurrent clients C, `requests` greedy completions (held-out prompts, `new_tokens` each, EOS off) are sent from C
-threads. A row reports tokens/s (generated tokens over the wall time of the whole level), p50 / p95 request latency,
-the server's resident memory (RSS after the level) and how many answers equal plain sequential serving's text.
+Every server gets the same paged cache (`--cb-block-size`, `--cb-num-blocks`: room for the longest request of the run
+from every client at once, twice over) and the same `--cb-max-batch-tokens`, so their resident memory compares at one
+cache size. For each server, mode
+(`continuous-batching`; `sequential`: transformers' one inference thread) and number of concurrent clients C, each
+workload runs:
+
+* `prompts`: `requests` greedy completions of held-out prompts (`prompt_tokens` each, `new_tokens` new, EOS off)
+  from C threads;
+* `chat`: C conversations of `turns` turns, each turn sending the whole conversation so far (its earlier user turns
+  and the model's answers) plus a held-out passage to repeat and explain;
+* `edits`: C documents (held-out passages), each edited `turns` times: every turn sends the conversation so far and
+  asks for the whole document back with one more word replaced.
+
+Prompts come from `prompt_domain`: by default the Python manual's held-out tail, a domain the folder's heads and
+table were not fitted on (they are fitted on Austen novels). A row reports tokens/s (generated tokens over the wall
+time of the level), p50 / p95 request latency, the server's resident memory (RSS after the level) and how many
+answers equal plain's answer to the same request (its prompt, or its conversation and turn). Every greedy request of
+a lossless server (plain, stored) must answer plain's text: the run fails (exit code 1) if one does not.
 
     ee-transformers bench-serve --model runs/smollm2-135m-ee --base ~/.cache/ee-transformers/smollm2-135m-instruct
 
@@ -19,6 +33,7 @@ Python API: `ServeBenchConfig`, `run_serve_bench`, `format_serve`, `main`.
 """
 
 import json
+import math
 import os
 import signal
 import socket
@@ -46,25 +61,44 @@ from ee_transformers.tools.arguments import (
 __all__ = ["ServeBenchConfig", "format_serve", "main", "run_serve_bench"]
 
 SERVERS = ("plain", "stored", "exits", "lean")
+LOSSLESS = ("plain", "stored")
 MODES = ("sequential", "continuous-batching")
+WORKLOADS = ("prompts", "chat", "edits")
+DOMAINS = ("python", "austen", "both")
 
 
 @dataclass
 class ServeBenchConfig:
     """Settings of one `bench-serve` run; `__post_init__` raises `ValueError` naming a bad field."""
 
-    clients: list[int] = field(default_factory=lambda: [1, 4, 16], metadata={"help": "concurrent clients", "min": 1})
+    clients: list[int] = field(
+        default_factory=lambda: [1, 4, 16, 32], metadata={"help": "concurrent clients", "min": 1}
+    )
+    workloads: list[str] = field(
+        default_factory=lambda: ["prompts", "chat"],
+        metadata={"help": "what the clients send (see the module docstring)", "choices": WORKLOADS},
+    )
     requests: int = field(
-        default=16, metadata={"help": "requests per level (at least the number of clients)", "min": 1}
+        default=32, metadata={"help": "requests per level of `prompts` (at least the number of clients)", "min": 1}
     )
+    turns: int = field(default=4, metadata={"help": "turns of each `chat` conversation / `edits` document", "min": 1})
     new_tokens: int = field(default=64, metadata={"help": "greedy tokens per request", "min": 1})
-    num_prompts: int = field(default=16, metadata={"help": "held-out prompts, cycled", "min": 1})
-    prompt_tokens: int = field(default=64, metadata={"help": "tokens per prompt", "min": 1})
-    servers: list[str] = field(
-        default_factory=lambda: ["plain", "stored", "exits", "lean"],
-        metadata={"help": "servers measured", "choices": SERVERS},
+    num_prompts: int = field(default=32, metadata={"help": "held-out prompts, cycled", "min": 1})
+    prompt_tokens: int = field(default=64, metadata={"help": "tokens per prompt (per user turn)", "min": 1})
+    prompt_domain: str = field(
+        default="python",
+        metadata={
+            "help": "held-out text of the prompts: python (the Python manual's tail, not what heads and tables are "
+            "fitted on), austen (the held-out novel), both (alternating)",
+            "choices": DOMAINS,
+        },
     )
-    modes: list[str] = field(default_factory=lambda: list(MODES), metadata={"help": "serving modes", "choices": MODES})
+    servers: list[str] = field(
+        default_factory=lambda: ["plain", "stored"], metadata={"help": "servers measured", "choices": SERVERS}
+    )
+    modes: list[str] = field(
+        default_factory=lambda: ["continuous-batching"], metadata={"help": "serving modes", "choices": MODES}
+    )
     exit_settings: str | None = field(
         default=None, metadata={"help": "JSON exit settings of the `exits` server (it is skipped without them)"}
     )
@@ -73,6 +107,12 @@ class ServeBenchConfig:
     )
     threads: int = field(default=2, metadata={"help": "torch threads of each server (OMP_NUM_THREADS)", "min": 1})
     cb_block_size: int = field(default=64, metadata={"help": "continuous batching's page size in tokens", "min": 4})
+    cb_max_batch_tokens: int = field(
+        default=1024, metadata={"help": "continuous batching's most tokens per step (every server)", "min": 1}
+    )
+    check_text: bool = field(
+        default=True, metadata={"help": "fail the run when a lossless server answers other text than plain"}
+    )
     seed: int = field(default=0, metadata={"help": "seed of the prompts"})
 
     def __post_init__(self):
@@ -84,6 +124,11 @@ class ServeBenchConfig:
                 raise ValueError(
                     f"`exit_settings` must be a JSON object, got {self.exit_settings!r} ({error})"
                 ) from None
+
+    def longest_request(self) -> int:
+        """Tokens of the longest request of the run (a conversation's last turn holds every earlier one)."""
+        turns = 1 if set(self.workloads) == {"prompts"} else self.turns
+        return turns * (2 * self.prompt_tokens + self.new_tokens + 48)  # passage, instruction, answer, template
 
 
 def _free_port() -> int:
@@ -131,54 +176,170 @@ def _server_argv(kind: str, model: str, base: str, config: ServeBenchConfig, mod
         "exits": [*cli, "--exit-settings", config.exit_settings or "{}"],
         "lean": [*cli, "--exit-max-layer", str(config.exit_max_layer)],
     }[kind]
-    if mode == "continuous-batching":
-        tokens = max(config.clients) * (config.prompt_tokens + config.new_tokens + 16)
-        blocks = 2 * (tokens // config.cb_block_size + max(config.clients))
+    if mode == "continuous-batching":  # one cache size for every server: its longest request from every client, x2
+        per_request = math.ceil(config.longest_request() / config.cb_block_size) + 1
+        blocks = 2 * max(config.clients) * per_request
         argv += ["--continuous-batching", "--cb-block-size", str(config.cb_block_size), "--cb-num-blocks", str(blocks)]
+        argv += ["--cb-max-batch-tokens", str(config.cb_max_batch_tokens)]
     return argv
 
 
-def _complete(client, model: str, prompt: str, new_tokens: int):
+EOS_OFF = "eos_token_id"
+
+
+def _generation_config(new_tokens: int) -> dict:
+    """Greedy, EOS off, exactly `new_tokens` (transformers' `generation_config` field, a JSON string)."""
+    return {"generation_config": json.dumps({EOS_OFF: -1, "max_new_tokens": new_tokens, "do_sample": False})}
+
+
+class Workload:
+    """What C clients send at one level: `sessions(C)` lists each client's requests, run in order (a conversation's
+    turn k waits for turn k-1's answer); a request is `(key, build)` where `build(answers)` makes the request's body
+    from that client's earlier answers, and `key` names it the same way on every server."""
+
+    def __init__(self, name: str, passages: list[str], config: ServeBenchConfig, chat: bool):
+        self.name, self.passages, self.config, self.chat = name, passages, config, chat
+
+    def sessions(self, clients: int) -> list[list[tuple]]:
+        if self.name == "prompts":
+            n = max(self.config.requests, clients)
+            per_client = [[] for _ in range(clients)]
+            for i in range(n):
+                k = i % len(self.passages)
+                per_client[i % clients].append((f"prompt {k}", lambda answers, k=k: self._completion(self.passages[k])))
+            return per_client
+        return [
+            [
+                (f"{self.name} {c} turn {t}", lambda answers, c=c, t=t: self._turn(c, t, answers))
+                for t in range(self.config.turns)
+            ]
+            for c in range(clients)
+        ]
+
+    def _completion(self, prompt: str) -> dict:
+        return {"prompt": prompt}
+
+    def _user_turn(self, c: int, t: int) -> str:
+        p = self.passages
+        if self.name == "chat":
+            return f"{p[(c * self.config.turns + t) % len(p)]}\n\nRepeat the text above, then say what it explains."
+        document = p[c % len(p)]
+        words = [w for w in document.split() if w.isalpha() and len(w) > 3] or ["the"]
+        edit = f"'{words[(7 * t) % len(words)]}' replaced by '{words[(7 * t) % len(words)].upper()}'"
+        if t == 0:
+            return f"Here is a document:\n\n{document}\n\nWrite the whole document again with {edit}."
+        return f"Now write the whole document again with {edit} as well."
+
+    def _turn(self, c: int, t: int, answers: list[str]) -> dict:
+        messages = []
+        for k in range(t + 1):
+            messages.append({"role": "user", "content": self._user_turn(c, k)})
+            if k < t:
+                messages.append({"role": "assistant", "content": answers[k]})
+        if self.chat:
+            return {"messages": messages}
+        transcript = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages)  # no chat template
+        return {"prompt": transcript + "Assistant:"}
+
+
+def _send(client, model: str, body: dict, new_tokens: int):
     start = time.perf_counter()
-    out = client.completions.create(
-        model=model,
-        prompt=prompt,
-        max_tokens=new_tokens,
-        temperature=0,
-        extra_body={"generation_config": json.dumps({"eos_token_id": -1, "max_new_tokens": new_tokens})},  # EOS off
-    )
-    return time.perf_counter() - start, out.choices[0].text, out.usage.completion_tokens
+    if "messages" in body:
+        out = client.chat.completions.create(
+            model=model,
+            messages=body["messages"],
+            max_tokens=new_tokens,
+            temperature=0,
+            extra_body=_generation_config(new_tokens),
+        )
+        text = out.choices[0].message.content or ""
+    else:
+        out = client.completions.create(
+            model=model,
+            prompt=body["prompt"],
+            max_tokens=new_tokens,
+            temperature=0,
+            extra_body=_generation_config(new_tokens),
+        )
+        text = out.choices[0].text
+    return time.perf_counter() - start, text, out.usage.completion_tokens
 
 
-def _level(server, model, prompts, clients, config, bar):
-    """`config.requests` requests from `clients` threads: wall time, latencies, texts, generated tokens."""
-    import openai  # noqa: PLC0415
+def _complete(client, model: str, prompt: str, new_tokens: int):
+    return _send(client, model, {"prompt": prompt}, new_tokens)
 
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="none", timeout=1800)
-    n = max(config.requests, clients)
 
-    def one(i):
-        result = _complete(client, model, prompts[i % len(prompts)], config.new_tokens)
-        bar.update(1)
-        return result
+def _level(server, model, workload: Workload, clients, config, bar):
+    """Every session of the level from `clients` threads: wall time, latencies, {key: text}, generated tokens."""
+    client = openai_client(server)
+
+    def run(session):
+        answers, results = [], []
+        for key, build in session:
+            latency, text, tokens = _send(client, model, build(answers), config.new_tokens)
+            answers.append(text)
+            results.append((key, latency, text, tokens))
+            bar.update(1)
+        return results
 
     start = time.perf_counter()
     with ThreadPoolExecutor(max_workers=clients) as pool:
-        results = list(pool.map(one, range(n)))
+        results = [r for rs in pool.map(run, workload.sessions(clients)) for r in rs]
     wall = time.perf_counter() - start
-    return wall, [r[0] for r in results], [r[1] for r in results], sum(r[2] for r in results)
+    return wall, results
 
 
-def run_serve_bench(model: str, base: str, config: ServeBenchConfig, out: Path | None = None, log=None) -> dict:
-    """Every (server, mode, clients) row of the run; see the module docstring."""
+def _held_out(tokenizer, config: ServeBenchConfig) -> list[str]:
+    """`num_prompts` held-out passages of `prompt_tokens` tokens from `prompt_domain`."""
+    from ee_transformers.tools.bench.loading import default_text_files, heldout_prompts  # noqa: PLC0415
+
+    files = default_text_files()
+    domains = ["python", "austen"] if config.prompt_domain == "both" else [config.prompt_domain]
+    texts = {}
+    for domain in domains:
+        path, (lo, hi) = files[domain]
+        text = Path(path).read_text(encoding="utf-8", errors="replace")
+        texts[domain] = text[int(lo * len(text)) : int(hi * len(text))]
+    ids = heldout_prompts(
+        tokenizer, num_prompts=config.num_prompts, window=config.prompt_tokens, seed=config.seed, texts=texts
+    )
+    return [tokenizer.decode(p["ids"]) for p in ids]
+
+
+def text_mismatches(rows, lossless=LOSSLESS) -> list[str]:
+    """The rows of `lossless` servers that failed or answered another text than plain's to some request."""
+    return [
+        f"{r['server']} {r['mode']}: {r['error'][:200]}"
+        if "error" in r
+        else f"{r['server']} {r['mode']} {r['workload']} {r['clients']} clients: {r['same_text']}/{r['requests']}"
+        for r in rows
+        if r["server"] in lossless and ("error" in r or r["same_text"] < r["requests"])
+    ]
+
+
+def stores_exits(folder) -> bool:
+    """Whether the folder's stored settings decode with confident exits (then its `stored` server is lossy)."""
+    import transformers  # noqa: PLC0415
+
+    from ee_transformers.generation_early_exit import EXIT_ARGUMENTS, resolve_exit_settings  # noqa: PLC0415
+
+    config = transformers.AutoConfig.from_pretrained(folder, trust_remote_code=True)
+    stored = transformers.GenerationConfig.from_pretrained(folder).to_dict()
+    return resolve_exit_settings(config, {name: stored.get(name) for name in EXIT_ARGUMENTS}) is not None
+
+
+def run_serve_bench(
+    model: str, base: str, config: ServeBenchConfig, out: Path | None = None, log=None, lossless=LOSSLESS
+) -> dict:
+    """Every (server, mode, workload, clients) row of the run; see the module docstring. The report's `mismatches`
+    lists the rows of `lossless` servers whose text differs from plain's (`text_mismatches`)."""
     from transformers import AutoTokenizer  # noqa: PLC0415
-
-    from ee_transformers.tools.bench.loading import heldout_prompts  # noqa: PLC0415
 
     log = log or (lambda line: print(line, flush=True))
     tokenizer = AutoTokenizer.from_pretrained(base)
-    ids = heldout_prompts(tokenizer, num_prompts=config.num_prompts, window=config.prompt_tokens, seed=config.seed)
-    prompts = [tokenizer.decode(p["ids"]) for p in ids]
+    passages = _held_out(tokenizer, config)
+    chat = bool(getattr(tokenizer, "chat_template", None))
+    workloads = [Workload(name, passages, config, chat) for name in config.workloads]
     servers = [s for s in config.servers if not (s == "exits" and config.exit_settings is None)]
     servers = [s for s in servers if not (s == "lean" and config.exit_max_layer is None)]
     skipped = sorted(set(config.servers) - set(servers))
@@ -186,8 +347,9 @@ def run_serve_bench(model: str, base: str, config: ServeBenchConfig, out: Path |
         log(f"skipped (no --exit-settings / --exit-max-layer given): {skipped}")
     logs = Path(out) if out is not None else Path.cwd()
     logs.mkdir(parents=True, exist_ok=True)
-    total = len(servers) * len(config.modes) * sum(max(config.requests, c) for c in config.clients)
-    rows, reference = [], None
+    per_level = {w.name: [sum(len(s) for s in w.sessions(c)) for c in config.clients] for w in workloads}
+    total = len(servers) * len(config.modes) * sum(sum(v) for v in per_level.values())
+    rows, reference = [], {}  # reference: {(workload, key): plain's first answer}
     with tqdm(total=total, desc="bench-serve", unit="request") as bar:
         for kind in servers:
             for mode in config.modes:
@@ -195,15 +357,17 @@ def run_serve_bench(model: str, base: str, config: ServeBenchConfig, out: Path |
                 argv = _server_argv(kind, model, base, config, mode)
                 server = ServerProcess(argv, config.threads, logs / f"server-{kind}-{mode}.log")
                 try:
-                    _complete(openai_client(server), served, prompts[0], 4)  # warm-up (loads the model, first batch)
-                    for clients in config.clients:
-                        wall, latencies, texts, tokens = _level(server, served, prompts, clients, config, bar)
-                        if reference is None:
-                            reference = texts  # plain, sequential, the first level: the text every row is held to
-                        rows.append(_row(kind, mode, clients, wall, latencies, texts, tokens, reference, server.rss()))
-                        log(format_serve([rows[-1]], header=len(rows) == 1))
-                        if out is not None:
-                            _write(logs, model, base, config, rows)
+                    _complete(openai_client(server), served, passages[0], 4)  # warm-up (loads the model, first batch)
+                    for workload in workloads:
+                        for clients in config.clients:
+                            wall, results = _level(server, served, workload, clients, config, bar)
+                            for key, _, text, _ in results:
+                                reference.setdefault((workload.name, key), text)
+                            row = _row(kind, mode, workload.name, clients, wall, results, reference, server.rss())
+                            rows.append(row)
+                            log(format_serve([row], header=len(rows) == 1, all_rows=rows))
+                            if out is not None:
+                                _write(logs, model, base, config, rows)
                 except Exception as error:  # a server that fails is a row that says so; the others still run
                     rows.append({"server": kind, "mode": mode, "error": f"{type(error).__name__}: {error}"})
                     log(f"| {kind} | {mode} | failed: {rows[-1]['error'][:200]} (log: {server.log_path}) |")
@@ -211,9 +375,10 @@ def run_serve_bench(model: str, base: str, config: ServeBenchConfig, out: Path |
                     server_log = server.stop()
                 if "Traceback" in server_log:
                     log(f"note: the {kind} {mode} server logged a traceback: see {server.log_path}")
+    mismatches = text_mismatches(rows, lossless)
     if out is not None:
         _write(logs, model, base, config, rows)
-    return {"model": model, "base": base, "config": asdict(config), "rows": rows}
+    return {"model": model, "base": base, "config": asdict(config), "rows": rows, "mismatches": mismatches}
 
 
 def _write(folder, model, base, config, rows):
@@ -230,39 +395,52 @@ def openai_client(server):
     return openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="none", timeout=1800)
 
 
-def _row(kind, mode, clients, wall, latencies, texts, tokens, reference, rss):
-    latencies = sorted(latencies)
+def _row(kind, mode, workload, clients, wall, results, reference, rss):
+    latencies = sorted(r[1] for r in results)
     p95 = latencies[min(len(latencies) - 1, round(0.95 * (len(latencies) - 1)))]
-    same = sum(a == reference[i % len(reference)] for i, a in enumerate(texts))
+    tokens = sum(r[3] for r in results)
     return {
         "server": kind,
         "mode": mode,
+        "workload": workload,
         "clients": clients,
-        "requests": len(texts),
+        "requests": len(results),
         "tokens": tokens,
         "wall_s": round(wall, 3),
         "tokens_per_s": round(tokens / wall, 2),
         "p50_s": round(statistics.median(latencies), 3),
         "p95_s": round(p95, 3),
         "rss_mb": round(rss / 2**20, 1),
-        "same_text": same,
+        "same_text": sum(text == reference[(workload, key)] for key, _, text, _ in results),
     }
 
 
-def format_serve(rows, header=True) -> str:
+def format_serve(rows, header=True, all_rows=None) -> str:
+    """Markdown rows; `x plain` is tokens/s over plain's at the same mode, workload and clients (of `all_rows`),
+    `RSS x plain` the same for resident memory (both servers hold the same paged cache)."""
+    plain = {
+        (r["mode"], r["workload"], r["clients"]): r
+        for r in (all_rows or rows)
+        if r["server"] == "plain" and "error" not in r
+    }
     lines = []
     if header:
         lines += [
-            "| server | mode | clients | requests | tokens/s | p50 s | p95 s | RSS MB | same text as plain |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| server | mode | workload | clients | requests | tokens/s | x plain | p50 s | p95 s | RSS MB "
+            "| RSS x plain | same text as plain |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['server']} | {r['mode']} | failed: {r['error'][:120]} | | | | | | |")
+            lines.append(f"| {r['server']} | {r['mode']} | failed: {r['error'][:120]} | | | | | | | | | |")
             continue
+        base = plain.get((r["mode"], r["workload"], r["clients"]))
+        speed = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
+        memory = f"{r['rss_mb'] / base['rss_mb']:.2f}x" if base else "-"
         lines.append(
-            f"| {r['server']} | {r['mode']} | {r['clients']} | {r['requests']} | {r['tokens_per_s']:.1f} | "
-            f"{r['p50_s']:.2f} | {r['p95_s']:.2f} | {r['rss_mb']:.0f} | {r['same_text']}/{r['requests']} |"
+            f"| {r['server']} | {r['mode']} | {r['workload']} | {r['clients']} | {r['requests']} | "
+            f"{r['tokens_per_s']:.1f} | {speed} | {r['p50_s']:.2f} | {r['p95_s']:.2f} | {r['rss_mb']:.0f} | "
+            f"{memory} | {r['same_text']}/{r['requests']} |"
         )
     return "\n".join(lines)
 
@@ -272,7 +450,17 @@ def _run(args):
     if not read_config(args.model, "--model").get("exit_layers"):
         raise InputError(f"`--model` {args.model!r} is not an early-exit folder (its config has no `exit_layers`).")
     read_config(args.base, "--base")
-    run_serve_bench(args.model, args.base, config, out=Path(args.out) if args.out else None)
+    lossless = LOSSLESS
+    if stores_exits(args.model):
+        lossless = ("plain",)
+        print("bench-serve: the folder stores confident exits, so its `stored` server is lossy: text not checked")
+    report = run_serve_bench(args.model, args.base, config, out=Path(args.out) if args.out else None, lossless=lossless)
+    if config.check_text and report["mismatches"]:
+        print("bench-serve: lossless servers answered other text than plain (or failed):", file=sys.stderr)
+        for line in report["mismatches"]:
+            print(f"  {line}", file=sys.stderr)
+        return 1
+    return None
 
 
 def main(argv=None):

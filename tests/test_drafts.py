@@ -1,0 +1,228 @@
+"""Issue 27: the draft heart (drafts.py) - the history index of earlier generations, acceptance learned per draft kind
+and row, measured step costs, and the never-slower gate - and what `generate` does with it."""
+
+import pytest
+import torch
+from conftest import LayerCalls, padded_batch
+from helpers import models_per_family
+
+from ee_transformers.drafts import (
+    TRUSTED,
+    Drafter,
+    StepCosts,
+    SuffixIndex,
+    pace_setters,
+    plan_packed,
+    plan_padded,
+)
+
+LAYERS = 4
+
+
+@pytest.fixture(scope="module")
+def models(base_dirs):
+    return models_per_family(base_dirs)
+
+
+# --- the index ---------------------------------------------------------------------------------------------------------
+
+
+def test_history_documents_are_matched_but_never_spanned():
+    index = SuffixIndex(ngram_size=2)
+    index.add_document([1, 2, 3, 4])
+    index.add_document([5, 1, 2, 9])
+    chain = index.chain([7, 1, 2], 5, "history")
+    assert chain.tokens == [9] and chain.support == 2 and chain.shares == [0.5]  # a tie: the latest; its document
+    # ends after 9 (the chain does not run on into another document)
+    assert index.chain([3, 4], 3) is None  # 4 ends its document: nothing follows it there
+    assert index.chain([8, 8], 3) is None
+
+
+def test_history_budget_evicts_the_oldest_documents_and_reports_its_size():
+    index = SuffixIndex(ngram_size=2, max_tokens=12)
+    for k in range(10):
+        index.add_document([100 + k, 1, 2, 50 + k])
+    assert index.num_tokens <= 12 and len(index.documents) == 2  # 4 tokens + separator each
+    assert index.chain([1, 2], 1).tokens == [59]  # the latest document's continuation
+    assert index.chain([100, 1], 2).match == 1  # "100 1" was evicted: only "1" still matches
+    assert index.nbytes > 0
+    index.resize(0)
+    assert index.num_tokens == 0 and index.chain([1, 2], 1) is None
+    index.add_document([1, 2, 3])  # a zero budget holds nothing
+    assert index.num_tokens == 0
+    with pytest.raises(ValueError, match="`max_tokens` must be an integer >= 0 or None"):
+        SuffixIndex(max_tokens=-1)
+
+
+def test_history_eviction_reindexes_and_stays_correct():
+    index = SuffixIndex(ngram_size=3, max_tokens=2000)
+    for k in range(600):  # evicts far more than the budget: the dead n-grams are dropped by a re-index
+        index.add_document([k % 7, k % 5, k % 3, k])
+    assert index.num_tokens <= 2000
+    live = {t for s, e in index.documents for t in index.tokens[s - index.base : e - index.base]}
+    assert 599 in live and 0 not in {index.tokens[e - 1 - index.base] for s, e in index.documents}
+    chain = index.chain([599 % 7, 599 % 5, 599 % 3], 1)
+    assert chain is not None and chain.tokens[0] in live
+
+
+def test_history_save_and_load_round_trip(tmp_path):
+    index = SuffixIndex(ngram_size=3, max_tokens=100)
+    index.add_document([1, 2, 3, 4])
+    index.add_document([2, 3, 5])
+    index.save(tmp_path / "history.pt")
+    again = SuffixIndex.load(tmp_path / "history.pt")
+    assert (again.ngram_size, again.max_tokens, again.num_tokens) == (3, 100, index.num_tokens)
+    assert again.chain([2, 3], 2).tokens == index.chain([2, 3], 2).tokens == [5]
+
+
+# --- acceptance ----------------------------------------------------------------------------------------------------------
+
+
+def test_acceptance_is_learned_per_kind_of_draft_and_per_row():
+    drafter = Drafter()
+    row = SuffixIndex(2)
+    row.extend([1, 2, 3, 1, 2, 3, 1, 2])
+    first = drafter.propose(row, row.tail(), 3)
+    assert first.source == "context" and first.tokens == [3, 1, 2]
+    assert all(a >= b for a, b in zip(first.probs, first.probs[1:]))  # cumulative: non-increasing
+    for _ in range(20):  # every such draft is rejected
+        drafter.observe(drafter.propose(row, row.tail(), 3), 0)
+    low = drafter.propose(row, row.tail(), 3)
+    assert low.probs[0] < first.probs[0] / 4
+    other = SuffixIndex(2)
+    other.extend([1, 2, 3, 1, 2, 3, 1, 2])  # the same kind of draft, a fresh row: the learned rate, no row factor
+    assert low.probs[0] < drafter.propose(other, other.tail(), 3).probs[0] < first.probs[0]
+
+
+def test_the_source_that_expects_the_most_accepted_drafts_wins():
+    drafter = Drafter()
+    drafter.finish([4, 5, 6, 7, 8])
+    drafter.finish([4, 5, 6, 7, 8])
+    row = SuffixIndex(2)
+    row.extend([4, 5, 1, 4, 5, 2, 4, 5])  # its own text: "4 5" -> 1 or 2, half each; the history: 6 7 8, always
+    chain = drafter.propose(row, row.tail(), 3)
+    assert chain.source == "history" and chain.tokens == [6, 7, 8] and chain.support == 2
+    assert drafter.propose(row, row.tail(), 3, history=False).tokens == [2, 4, 5]  # the tie: the latest
+
+
+# --- costs and the gate ----------------------------------------------------------------------------------------------
+
+
+def test_step_costs_interpolate_and_distrust_a_single_timing():
+    costs = StepCosts()
+    assert costs.cost(("padded", 8, 3)) == pytest.approx(1.2)  # nothing measured: the prior, in its own units
+    for _ in range(TRUSTED):
+        costs.observe(("padded", 8, 1), 0.010)
+        costs.observe(("padded", 8, 5), 0.020)
+    assert costs.cost(("padded", 8, 3)) == pytest.approx(0.015)  # between two measured widths
+    assert costs.cost(("padded", 8, 9)) == pytest.approx(0.020 * 1.8 / 1.4)  # beyond: the prior's slope
+    costs.observe(("padded", 8, 2), 1.0)  # one slow timing of width 2: at most its estimate
+    assert costs.cost(("padded", 8, 2)) == pytest.approx(0.0125)
+    assert costs.cost(("padded", 1, 1)) == pytest.approx(1.0)  # another group: its own prior
+
+
+def test_the_padded_gate_drafts_only_where_it_pays():
+    flat = lambda width: 1.0  # noqa: E731 - verification positions cost nothing extra
+    steep = lambda width: 1.0 + 0.5 * (width - 1)  # noqa: E731 - each position costs half a step
+    assert plan_padded([[0.9, 0.8, 0.1]], [True], flat) == 3
+    assert plan_padded([[0.9, 0.8, 0.1]], [True], steep) == 2  # 1.7 / 1.5 beats 1.8 / 2.0 and plain's 1 / 1
+    assert plan_padded([[0.3, 0.1]], [True], steep) == 0  # 1.3 / 1.5 < 1: a plain step
+    assert plan_padded([[], []], [True, True], flat) == 0
+    # the rows that set the pace decide: a fast row ahead of a row with nothing to draft does not make it pay
+    assert plan_padded([[0.9, 0.9], []], [False, True], steep) == 0
+    assert pace_setters([10, 12, 11, 10], [True, True, False, True]) == [True, False, False, True]
+
+
+def test_the_packed_gate_adds_the_likeliest_drafts_first_and_shrinks_under_load():
+    light = lambda tokens: 1.0 + 0.01 * tokens  # noqa: E731 - a step barely grows with its tokens
+    assert plan_packed([[0.9, 0.8], [0.5], []], 3, light) == [2, 1, 0]
+    heavy = lambda tokens: 0.1 * tokens  # noqa: E731 - saturated: cost proportional to tokens
+    assert plan_packed([[0.9, 0.8], [0.5], []], 3, heavy) == [0, 0, 0]  # no draft gives back its cost
+    assert plan_packed([[0.99, 0.99], [0.2]], 2, lambda t: 1.0 + 0.3 * t) == [2, 0]
+
+
+# --- in generate -----------------------------------------------------------------------------------------------------
+
+
+def test_history_drafts_repeat_an_earlier_generation_exactly(models, family):
+    model, base = models(family)
+    model.drafter.history.clear()
+    ids, mask = padded_batch(batch=2)
+    kwargs = dict(max_new_tokens=16, do_sample=False, prompt_lookup_num_tokens=4, return_dict_in_generate=True)
+    kwargs["max_length"] = None
+    if family in ("mistral", "gemma2", "gemma3_text") or getattr(base.config, "use_sliding_window", False):
+        kwargs["max_new_tokens"] = 2  # inside the matrix's window of 4 only a short generation is allowed
+    expected = base.generate(ids, attention_mask=mask, max_new_tokens=kwargs["max_new_tokens"], do_sample=False)
+    try:
+        first = model.generate(ids, attention_mask=mask, speculative_gate=False, **kwargs)
+    except ValueError as e:  # sliding-window families refuse generations longer than their window
+        assert "sliding-window attention" in str(e)
+        return
+    assert torch.equal(first.sequences, expected)
+    assert model.drafter.history.num_tokens >= 2 * (kwargs["max_new_tokens"] - 1)  # each row's generation entered
+    again = model.generate(ids, attention_mask=mask, speculative_gate=False, **kwargs)
+    assert torch.equal(again.sequences, expected)
+    if kwargs["max_new_tokens"] > 2:
+        assert int(again.history_accepted_tokens.sum()) > 0  # the first call's text: drafted and kept
+        assert int(again.verify_rounds.max()) < int(first.verify_rounds.max())
+    none = model.generate(ids, attention_mask=mask, speculative_gate=False, speculative_history_tokens=0, **kwargs)
+    assert torch.equal(none.sequences, expected) and int(none.history_draft_tokens.sum()) == 0
+
+
+def test_a_gated_round_is_one_plain_step(models):
+    model, base = models("llama")
+    ids = base.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=9, do_sample=False)  # its own text: it repeats
+    drafter = model.drafter
+    drafter.history.clear()
+    saved = drafter.costs
+    drafter.costs = StepCosts()
+    try:
+        for _ in range(TRUSTED):  # a machine where every extra position costs a whole step: nothing can pay
+            for width in range(1, 12):
+                drafter.costs.observe(("context", 1, width), float(width))
+        counter = LayerCalls(model)
+        try:
+            out = model.generate(ids, max_new_tokens=8, do_sample=False, prompt_lookup_num_tokens=3,
+                                 return_dict_in_generate=True)  # fmt: skip
+        finally:
+            counter.remove()
+        assert out.draft_lengths.tolist() == [0] * 7 and int(out.draft_tokens.sum()) == 0
+        assert counter.positions == [ids.shape[1] + 7] * LAYERS  # prefill, then one position per step
+        assert torch.equal(out.sequences, base.generate(ids, max_new_tokens=8, do_sample=False))
+        drafter.costs = StepCosts()
+        for _ in range(TRUSTED):  # verification positions for free: the same text drafts and saves steps
+            for width in range(1, 12):
+                drafter.costs.observe(("context", 1, width), 1.0)
+        free = model.generate(ids, max_new_tokens=8, do_sample=False, prompt_lookup_num_tokens=3,
+                              return_dict_in_generate=True, speculative_history_tokens=0)  # fmt: skip
+        assert torch.equal(free.sequences, out.sequences) and len(free.draft_lengths) < 7
+    finally:
+        drafter.costs = saved
+
+
+def test_the_history_is_never_saved_with_the_model(models, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model, _ = models("llama")
+    model.generate(torch.tensor([[3, 4, 3, 4]]), max_new_tokens=4, prompt_lookup_num_tokens=2)
+    assert model.drafter.history.num_tokens > 0
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True)
+    assert loaded.drafter.history.num_tokens == 0  # a folder never ships what the model generated
+    assert not [p.name for p in tmp_path.rglob("*") if "history" in p.name or "drafter" in p.name]
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(prompt_lookup_num_tokens=2, speculative_history_tokens=-1), r"`speculative_history_tokens` must be"),
+        (dict(prompt_lookup_num_tokens=2, speculative_history_tokens=1.5), r"`speculative_history_tokens` must be"),
+        (dict(prompt_lookup_num_tokens=2, speculative_gate="yes"), r"`speculative_gate` must be True, False or None"),
+        (dict(assistant_early_exit=1, speculative_history_tokens=10), r"needs `prompt_lookup_num_tokens`"),
+        (dict(speculative_gate=False), r"`speculative_gate` is a setting of speculative decoding"),
+    ],
+)
+def test_bad_draft_settings_raise_naming_the_setting(models, kwargs, match):
+    model, _ = models("llama")
+    with pytest.raises(ValueError, match=match):
+        model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=3, **kwargs)
