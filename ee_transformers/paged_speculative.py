@@ -22,11 +22,12 @@ table), packed into the same forward as the other requests' tokens and prefill c
               `max_new_tokens` inside an accepted run stop it exactly there (nothing past is kept or streamed)
     rollback  a request that kept n < k drafts wrote K/V for k - n rejected positions: its `position_offset` (the
               length the next step writes at and reads up to) goes back by k - n and the blocks past the kept length
-              return to the pool (`give_back`). A later token writes those slots before any read covers them, so
-              nothing reads a rejected draft's K/V. A sliding-window layer's pages are a ring buffer (position p in
-              slot p mod W): a draft's slot held K/V of position p - W, still inside the window of the next tokens,
-              so those slots are saved before the forward and a rejected draft's slot is restored after it
-              (`RingSlots`); drafts per request stay below W, so no draft pushes a kept token out of the ring
+              return to the pool (`give_back_blocks`). A later token writes those slots before any read covers
+              them, so nothing reads a rejected draft's K/V. A sliding-window layer's pages are a ring buffer
+              (position p in slot p mod W): a draft's slot held K/V of position p - W, still inside the window of
+              the next tokens, so those slots are saved before the forward and a rejected draft's slot is restored
+              after it (`RingSlots`); drafts per request stay below W, so no draft pushes a kept token out of the
+              ring
 
 The draft budget follows the load. Each step times its forward and feeds `drafter.costs` with (packed tokens,
 seconds), so `cost(T)` is the measured step time at T packed tokens on this machine. With base B tokens (prefill chunks
@@ -40,8 +41,8 @@ at saturation drafting shrinks toward none; a narrow step costs about the same a
 goes in.
 
 Where transformers has no public seam (the manager samples itself, one token per decoding request), three methods of
-the batch processor it builds are wrapped per instance, pinned to transformers 5.24 (`check_internals` raises on
-another layout): `inputs_and_outputs.prepare_batch_tensors` (adds the drafts), `_generation_step` (forward, verify),
+the batch processor it builds are wrapped per instance, pinned to transformers 5.24 (`check_batching_internals` raises
+on another layout): `inputs_and_outputs.prepare_batch_tensors` (adds the drafts), `_generation_step` (forward, verify),
 `update_batch` (commit the first token through transformers' own update, then the rest, then rollback). A step without
 drafts runs transformers' own methods unchanged. With drafts on, prefix sharing of blocks, async batching, CUDA graphs
 and the decode fast path are off; confident exits are not used (drafts decide at full depth).
@@ -138,7 +139,7 @@ def paged_draft_settings(model, generation_config=None) -> PagedDraftSettings | 
 def check_paged_drafts(model, generation_config, cb_config):
     """Raises what continuous batching cannot honour with drafts on; returns the batching config to use (a copy with
     prefix sharing, async batching, CUDA graphs and the block-table decode path off)."""
-    check_internals()
+    check_batching_internals()
     layers, max_layer = model.config.num_hidden_layers, getattr(model, "exit_max_layer", None)
     if max_layer is not None and max_layer < layers - 1:
         raise ValueError(
@@ -186,7 +187,7 @@ def check_paged_drafts(model, generation_config, cb_config):
 # ---------------------------------------------------------------------------------------------------------------------
 # the transformers internals this module wraps (5.24)
 # ---------------------------------------------------------------------------------------------------------------------
-def check_internals() -> None:
+def check_batching_internals() -> None:
     """Raises when the installed transformers does not have the continuous-batching internals the paged drafts wrap."""
     from transformers.generation.continuous_batching.cache_allocators.cache_allocator import BlockLedger
     from transformers.generation.continuous_batching.continuous_api import ContinuousBatchProcessor
@@ -213,7 +214,7 @@ def check_internals() -> None:
         )
 
 
-def give_back(cache, request_id: str, length: int) -> int:
+def give_back_blocks(cache, request_id: str, length: int) -> int:
     """Shrinks a request's block tables to `length` tokens and returns the blocks past it to the pool (as
     `CacheAllocator.free_blocks` does for a whole request); returns the number of blocks released."""
     released = 0
@@ -252,7 +253,7 @@ class RingSlots:
 # ---------------------------------------------------------------------------------------------------------------------
 # verification
 # ---------------------------------------------------------------------------------------------------------------------
-def accept_greedy(target: list[int], drafts: list[int]) -> list[int]:
+def accept_prefix(target: list[int], drafts: list[int]) -> list[int]:
     """target: the argmax at the input token and at each of the k drafts (k + 1 entries); returns the longest prefix
     of drafts equal to the argmax, plus the argmax after it."""
     n = 0
@@ -261,7 +262,7 @@ def accept_greedy(target: list[int], drafts: list[int]) -> list[int]:
     return drafts[:n] + [target[n]]
 
 
-def accept_sampled(probs: torch.Tensor, drafts: list[int]) -> list[int]:
+def accept_point_mass(probs: torch.Tensor, drafts: list[int]) -> list[int]:
     """Speculative sampling with point-mass drafts. probs `(k + 1, V)`: the model's distributions at the input token
     and each draft. d_i is kept with probability p_i(d_i); at the first rejection the token is drawn from p_i with d_i
     removed, renormalised (max(p - q, 0) for q the point mass at d_i); after k kept drafts it is drawn from p_k."""
@@ -486,9 +487,9 @@ class PagedDrafts:
             drafted = self.step.get(fs.state.request_id)
             drafts = list(drafted.chain.tokens[: drafted.k]) if drafted else []
             if sampling:
-                tokens = accept_sampled(probs[row : row + count], drafts)
+                tokens = accept_point_mass(probs[row : row + count], drafts)
             else:
-                tokens = accept_greedy(target[row : row + count], drafts)
+                tokens = accept_prefix(target[row : row + count], drafts)
             lps = [float(probs[row + i, t].log()) for i, t in enumerate(tokens)] if logprobs else []
             if drafted:
                 drafted.tokens, drafted.logprobs = tokens, lps
@@ -532,7 +533,7 @@ class PagedDrafts:
                         processor.scheduler.block_new_requests = False
                     else:
                         state.position_offset -= drafted.k - accepted
-                        give_back(processor.cache, state.request_id, state.position_offset)
+                        give_back_blocks(processor.cache, state.request_id, state.position_offset)
                     if accepted and (state.streaming or finished):
                         pending.append(state.to_generation_output())
             if state.status == RequestStatus.FINISHED:

@@ -20,10 +20,10 @@ from ee_transformers import paged_speculative
 from ee_transformers.drafts import Chain
 from ee_transformers.paged_speculative import (
     PagedDrafts,
-    accept_greedy,
-    accept_sampled,
-    check_internals,
-    give_back,
+    accept_point_mass,
+    accept_prefix,
+    check_batching_internals,
+    give_back_blocks,
     record_paged_drafts,
 )
 
@@ -178,9 +178,9 @@ def test_give_back_returns_the_blocks_past_a_length(base_dirs):
     state = RequestState(request_id="r", initial_tokens=[1] * 10)
     assert cache.can_store_request_tokens(state, 10) and len(allocator.block_table["r"]) == 3  # 3 blocks of 4
     free = cache.pool.count_free_blocks(allocator.index)
-    assert give_back(cache, "r", 5) == 1 and len(allocator.block_table["r"]) == 2
+    assert give_back_blocks(cache, "r", 5) == 1 and len(allocator.block_table["r"]) == 2
     assert cache.pool.count_free_blocks(allocator.index) == free + 1
-    assert give_back(cache, "r", 8) == 0 and len(allocator.block_table["r"]) == 2
+    assert give_back_blocks(cache, "r", 8) == 0 and len(allocator.block_table["r"]) == 2
     cache.free_blocks("r")
     cache.pool.try_to_free_sectors()
     assert cache.pool.num_free_sectors == start
@@ -295,7 +295,7 @@ def test_accept_sampled_keeps_the_models_distribution():
     torch.manual_seed(0)
     probs = torch.tensor([[0.5, 0.2, 0.2, 0.1], [0.1, 0.6, 0.1, 0.2], [0.25, 0.25, 0.25, 0.25]])
     drafts, n = [1, 3], 20000
-    runs = [accept_sampled(probs, drafts) for _ in range(n)]
+    runs = [accept_point_mass(probs, drafts) for _ in range(n)]
     first = Counter(r[0] for r in runs)
     for token in range(4):
         assert abs(first[token] / n - float(probs[0, token])) < 0.015, (token, first)
@@ -307,10 +307,10 @@ def test_accept_sampled_keeps_the_models_distribution():
 
 
 def test_accept_greedy_keeps_the_longest_agreeing_prefix():
-    assert accept_greedy([4, 5, 6, 7], [4, 5, 9]) == [4, 5, 6]
-    assert accept_greedy([4, 5, 6, 7], [4, 5, 6]) == [4, 5, 6, 7]
-    assert accept_greedy([3, 5], [4]) == [3]
-    assert accept_greedy([3], []) == [3]
+    assert accept_prefix([4, 5, 6, 7], [4, 5, 9]) == [4, 5, 6]
+    assert accept_prefix([4, 5, 6, 7], [4, 5, 6]) == [4, 5, 6, 7]
+    assert accept_prefix([3, 5], [4]) == [3]
+    assert accept_prefix([3], []) == [3]
 
 
 def test_sampling_with_drafts_runs_with_per_request_processors(base_dirs, drafts_pay):
@@ -392,10 +392,10 @@ def test_the_wrapped_transformers_internals_are_there(monkeypatch):
     """The paged drafts wrap transformers 5.24's batch processor: on another release, re-read `input_outputs.py`,
     `continuous_api.py` (update_batch, _generation_step) and the cache allocators before moving this pin."""
     assert transformers.__version__.startswith("5.24."), transformers.__version__
-    check_internals()
+    check_batching_internals()
     monkeypatch.delattr(ContinuousBatchProcessor, "update_batch")
     with pytest.raises(RuntimeError, match="update_batch"):
-        check_internals()
+        check_batching_internals()
     assert paged_speculative.DRAFT_FIELD == "prompt_lookup_num_tokens"
 
 
@@ -435,7 +435,8 @@ def test_serve_continuous_batching_verifies_a_folders_stored_drafts(tmp_path):
     argv = [sys.executable, "-m", "ee_transformers.tools.cli", "serve", str(tmp_path / "drafts"), *flags]
     server = ServerProcess(argv, threads=1, log_path=tmp_path / "server.log")
     client = openai_client(server)
-    ask = lambda p: client.completions.create(model=str(tmp_path / "drafts"), prompt=p, max_tokens=10, temperature=0)  # noqa: E731
+    folder = str(tmp_path / "drafts")
+    ask = lambda p: client.completions.create(model=folder, prompt=p, max_tokens=10, temperature=0)  # noqa: E731
     try:
         with ThreadPoolExecutor(max_workers=4) as pool:
             answers = [a.choices[0].text for a in pool.map(ask, SERVED)]
