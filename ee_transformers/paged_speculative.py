@@ -71,7 +71,8 @@ NGRAM_FIELD = "max_matching_ngram_size"  # transformers' field: the longest n-gr
 TABLE_FIELD = "speculative_table_drafts"  # ours: requests without a match also draft from the stored table
 HISTORY_FIELD = "speculative_history_tokens"  # ours: the history index's token budget (0: no history drafts)
 GATE_FIELD = "speculative_gate"  # ours: False drafts every step, even where the plan expects no gain
-NOT_PACKED = ("speculative_verify_width", "assistant_vocab_size")  # ours, for generate's padded / exit-head rounds
+# ours, for generate's padded / exit-head rounds and its batch size: a packed step's budget is `plan_packed`'s
+NOT_PACKED = ("speculative_verify_width", "assistant_vocab_size", "speculative_max_batch_size")
 
 
 @dataclass(frozen=True)
@@ -124,8 +125,8 @@ def paged_draft_settings(model, generation_config=None) -> PagedDraftSettings | 
     unused = [f for f in NOT_PACKED if get(f) is not None]
     if unused:
         logger.warning_once(
-            f"Continuous batching packs drafts without padding and drafts by copying only: {unused} do not apply "
-            "there and are not used."
+            f"Continuous batching packs copied drafts without padding and plans them per step: {unused} do not "
+            "apply there and are not used."
         )
     return PagedDraftSettings(
         k,

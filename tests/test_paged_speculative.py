@@ -353,6 +353,28 @@ def test_stored_draft_settings_turn_drafts_on(base_dirs, drafts_pay):
     assert tokens_of(out) == plain(base, config()) and trace.accepted > 0
 
 
+def test_table_drafts_fill_in_where_the_text_has_no_match(base_dirs, drafts_pay, monkeypatch):
+    """`speculative_table_drafts=True`: requests whose own text offers no match draft from the stored table."""
+    base, model = base_dirs["llama"][1], ee_model(base_dirs)
+    want = plain(base, config())
+    model.set_draft_table([p + w for p, w in zip(PROMPTS, want)], min_count=1)
+    observe, sources = model.drafter.observe, Counter()
+
+    def record(chain, accepted, drafted=None):
+        sources[chain.source] += accepted
+        observe(chain, accepted, drafted=drafted)
+
+    monkeypatch.setattr(model.drafter, "observe", record)
+    gc = config(prompt_lookup_num_tokens=3, speculative_table_drafts=True, speculative_history_tokens=0)
+    tokens, trace = drafted(model, gc)
+    assert tokens == want and sources["table"] > 0 and "history" not in sources, sources
+
+
+def test_a_table_is_needed_for_table_drafts(base_dirs):
+    with pytest.raises(ValueError, match="speculative_table_drafts"):
+        drafted(ee_model(base_dirs), config(prompt_lookup_num_tokens=3, speculative_table_drafts=True))
+
+
 def test_confident_exits_in_the_call_turn_stored_drafts_off(base_dirs, drafts_pay):
     model = ee_model(base_dirs)
     model.generation_config.update(prompt_lookup_num_tokens=3)
