@@ -58,7 +58,10 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers.generation.continuous_batching.cache import group_layers_by_attn_type
-from transformers.generation.continuous_batching.cache_allocators import SlidingAttentionCacheAllocator
+from transformers.generation.continuous_batching.cache_allocators import (
+    FullAttentionCacheAllocator,
+    SlidingAttentionCacheAllocator,
+)
 from transformers.generation.continuous_batching.requests import RequestStatus
 from transformers.utils import logging
 
@@ -148,7 +151,7 @@ def check_paged_drafts(model, generation_config, cb_config):
             f"only; load them with `model.set_exit_max_layer({layers - 1})` first, or pass `{DRAFT_FIELD}=None`."
         )
     window = getattr(model.config.get_text_config(), "sliding_window", None)
-    if "sliding_attention" in group_layers_by_attn_type(model.config.get_text_config()) and window < 2:
+    if "sliding_attention" in group_layers_by_attn_type(model.config.get_text_config()) and (window or 0) < 2:
         raise ValueError(
             f"`{DRAFT_FIELD}` in continuous batching needs a sliding window of at least 2 positions (a request's "
             f"drafts stay below it), got `sliding_window={window}`; pass `{DRAFT_FIELD}=None`."
@@ -200,6 +203,7 @@ def check_batching_internals() -> None:
         ContinuousBatchingIOs: ("prepare_batch_tensors", "prepare_batch_update", "get_model_kwargs"),
         RequestState: ("update_and_check_completion", "to_generation_output", "generated_len"),
         BlockLedger: ("release",),
+        FullAttentionCacheAllocator: ("_compute_blocks_needed", "get_write_indices", "register_cache_tensor"),
         SlidingAttentionCacheAllocator: ("_compute_blocks_needed", "get_write_indices", "register_cache_tensor"),
     }
     missing = [f"{cls.__name__}.{name}" for cls, names in wanted.items() for name in names if not hasattr(cls, name)]
