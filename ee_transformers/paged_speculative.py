@@ -33,12 +33,13 @@ The draft budget follows the load. Each step times its forward and feeds `drafte
 seconds), so `cost(T)` is the measured step time at T packed tokens on this machine. With base B tokens (prefill chunks
 and decode tokens) and request r's chain probabilities P_r(1) >= P_r(2) >= ..., `plan_packed` picks
 
-    k_r = argmax over (k_1, k_2, ...) of  (decodes + sum_r sum_{i <= k_r} P_r(i)) / cost(B + sum_r k_r)
+    k_r = argmax over (k_1, k_2, ...) of  (m + sum_r sum_{i <= k_r} P_r(i)) / cost(B + sum_r k_r)
 
-(all zero when no draft pays: then the step is exactly a plain step of transformers). A wide step (many decodes, or
-prefill chunks) already costs close to linear in T, so a draft must be accepted with probability near 1 to pay there:
-at saturation drafting shrinks toward none; a narrow step costs about the same at T and T + k, so every likely draft
-goes in.
+for the m requests that get a token this step (every decode, with or without a chain, and each prompt that ends);
+all zero unless drafting beats the plain step by `drafts.MARGIN` (then the step is exactly a plain step of
+transformers). A wide step of decodes already costs close to linear in T, so a draft must be accepted with
+probability near 1 to pay there: at saturation drafting shrinks toward none; a narrow step costs about the same at T
+and T + k, so every likely draft goes in.
 
 Where transformers has no public seam (the manager samples itself, one token per decoding request), three methods of
 the batch processor it builds are wrapped per instance, pinned to transformers 5.24 (`check_batching_internals` raises
@@ -380,21 +381,20 @@ class PagedDrafts:
             return self.max_drafts
         return min(self.max_drafts, state.max_new_tokens - state.generated_len() - 1)
 
-    def _candidates(self, requests_in_batch):
-        """Decoding requests of this step and their chains (at most K drafts, and fewer than the tokens left)."""
+    def _chains(self, requests_in_batch):
+        """Each request of this step that gets a new token, with its chain (None: no drafts; at most K drafts, and
+        fewer than the tokens it may still add)."""
         out = []
         for fs in requests_in_batch:
-            state = fs.state
-            decoding = fs.has_new_token and fs.query_length == 1 and state.generated_len() > 0
-            if not decoding or state.status != RequestStatus.DECODING:
+            if not fs.has_new_token:
                 continue
-            room = self._room(state)
-            if room <= 0:
-                continue
-            index, s = self._context(state), self.settings
-            chain = self.drafter.propose(index, index.tail(MAX_MATCH), room, history=s.history > 0, table=s.table)
-            if chain is not None and chain.tokens:
-                out.append((fs, chain))
+            state, chain = fs.state, None
+            decoding = fs.query_length == 1 and state.generated_len() > 0 and state.status == RequestStatus.DECODING
+            room = self._room(state) if decoding else 0
+            if room > 0:
+                index, s = self._context(state), self.settings
+                chain = self.drafter.propose(index, index.tail(MAX_MATCH), room, history=s.history > 0, table=s.table)
+            out.append((fs, chain if chain is not None and chain.tokens else None))
         return out
 
     def prepare_batch_tensors(
@@ -402,15 +402,15 @@ class PagedDrafts:
     ):
         self._forget_gone()
         self.step = {}
-        candidates = self._candidates(requests_in_batch)
-        if candidates:
-            if self.settings.gate:
-                ks = plan_packed([list(c.probs) for _, c in candidates], num_q_tokens, self.cost)
+        chains = self._chains(requests_in_batch)
+        if any(chain is not None for _, chain in chains):
+            if self.settings.gate:  # every request with a new token produces one: those without a chain too
+                ks = plan_packed([list(c.probs) if c is not None else [] for _, c in chains], num_q_tokens, self.cost)
             else:
-                ks = [len(c.tokens) for _, c in candidates]
+                ks = [len(c.tokens) if c is not None else 0 for _, c in chains]
             budget = self.processor.max_batch_tokens - num_q_tokens  # the static inputs hold this many tokens
-            for (fs, chain), k in zip(candidates, ks):
-                k = min(int(k), budget, len(chain.tokens))
+            for (fs, chain), k in zip(chains, ks):
+                k = min(int(k), budget, len(chain.tokens)) if chain is not None else 0
                 if k <= 0 or not self.processor.cache.can_store_request_tokens(fs.state, 1 + k):
                     continue
                 fs.state.tokens_to_process = fs.state.tokens_to_process + list(chain.tokens[:k])

@@ -342,6 +342,19 @@ def test_the_draft_budget_follows_the_step_cost(base_dirs, monkeypatch):
     assert observed and all(key[0] == "packed" and key[1] >= 1 and s > 0 for key, s in observed)
 
 
+def test_at_saturation_drafting_shrinks_to_none(base_dirs, monkeypatch):
+    """A step cost flat up to 8 packed tokens and linear past them (a machine saturated at 8): one request drafts,
+    twelve decoding together (12 tokens already) draft nothing, with the same text as plain continuous batching.
+    (A step of prefill chunks is another matter: its tokens produce none this step, so a few drafts may pay there.)"""
+    base, model = base_dirs["llama"][1], ee_model(base_dirs)
+    monkeypatch.setattr(PagedDrafts, "cost", lambda self, tokens: max(1.0, tokens / 8))
+    alone_tokens, one = drafted(model, config(prompt_lookup_num_tokens=4), prompts=PROMPTS[:1])
+    assert alone_tokens == plain(base, config(), prompts=PROMPTS[:1]) and one.drafted > 0
+    many = [[5 + i, 6 + i, 5 + i, 6 + i, 5 + i] for i in range(12)]  # one prefill step, then 12 decodes per step
+    tokens, loaded = drafted(model, config(prompt_lookup_num_tokens=4), prompts=many)
+    assert tokens == plain(base, config(), prompts=many) and loaded.drafted == 0
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # settings and refusals
 # ---------------------------------------------------------------------------------------------------------------------
