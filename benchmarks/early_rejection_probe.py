@@ -25,9 +25,9 @@ from table_drafts_probe import own_drafts  # the row's own context, as `context_
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ee_transformers.draft_table import table_drafts
+from ee_transformers.measure.timing import greedy_generation_config, without_eos
 from ee_transformers.speculative_early_exit import draft_vocab_head
 from ee_transformers.tools.bench.loading import heldout_prompts, make_batches
-from ee_transformers.tools.bench.timing import greedy_generation_config, without_eos
 
 N = 2
 

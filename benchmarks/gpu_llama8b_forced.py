@@ -44,8 +44,8 @@ if str(ROOT) not in sys.path:  # run from a bare checkout, without installing th
 from ee_transformers.configuration_early_exit import EarlyExitLlamaConfig  # noqa: E402
 from ee_transformers.modeling_early_exit import EarlyExitLlamaForCausalLM  # noqa: E402
 from ee_transformers.tools import bench  # noqa: E402
-from ee_transformers.tools.arguments import comma_list  # noqa: E402
 from ee_transformers.tools.bench import speculative as bench_speculative  # noqa: E402
+from ee_transformers.utils.arguments import comma_list  # noqa: E402
 
 LLAMA3_8B = dict(
     vocab_size=128256,

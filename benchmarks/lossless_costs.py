@@ -21,8 +21,8 @@ from transformers import AutoTokenizer
 
 import ee_transformers.speculative_early_exit as spec
 from ee_transformers.convert import read_config
+from ee_transformers.measure.timing import greedy_generation_config, without_eos
 from ee_transformers.tools.bench.loading import heldout_prompts, load_models, make_batches
-from ee_transformers.tools.bench.timing import greedy_generation_config, without_eos
 
 
 def ee_folder(path):

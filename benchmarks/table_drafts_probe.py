@@ -22,9 +22,9 @@ import time
 import torch
 from transformers import AutoTokenizer
 
+from ee_transformers.measure.timing import greedy_generation_config, without_eos
 from ee_transformers.tools.assets import token_sequences, training_texts
 from ee_transformers.tools.bench.loading import heldout_prompts, load_models, make_batches
-from ee_transformers.tools.bench.timing import greedy_generation_config, without_eos
 
 
 def own_drafts(text, n, g=3):

@@ -18,14 +18,14 @@ from .generation_early_exit import (
     register_exit_criterion,
 )
 from .lean_early_exit import ShedLayer, memory_report
+from .measure.profile import ExitProfile, profile_exits
 from .modeling_early_exit import *  # noqa: F403  (EarlyExit<Family>ForCausalLM / EarlyExit<Family>Model)
 from .modeling_early_exit import FAMILIES, EarlyExitMixin
 from .paged_early_exit import PagedTrace, record_paged_exits
 from .paged_speculative import DraftTrace, record_paged_drafts
 from .pool_early_exit import EarlyExitPool, GenerateEarlyExitPoolOutput
 from .speculative_early_exit import GenerateSpeculativeOutput
-from .tools.model_card import write_model_card
-from .tools.profile import ExitProfile, profile_exits
+from .utils.model_card import write_model_card
 
 for _cls in FAMILIES.values():
     AutoConfig.register(_cls.config_class.model_type, _cls.config_class, exist_ok=True)

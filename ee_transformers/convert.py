@@ -8,8 +8,8 @@ from transformers import PreTrainedModel
 
 from .generation_early_exit import EXIT_ARGUMENTS, check_exit_argument
 from .modeling_early_exit import FAMILIES
-from .tools.arguments import InputError
-from .tools.model_card import source_card_data
+from .utils.arguments import InputError
+from .utils.model_card import source_card_data
 
 logger = logging.getLogger(__name__)
 

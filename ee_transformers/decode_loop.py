@@ -18,9 +18,12 @@ preconditions, then supplies only its step:
 Part of the Hub runtime: imports only torch, transformers and its siblings.
 """
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from transformers.generation.stopping_criteria import MaxLengthCriteria, StoppingCriteriaList
+from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 
 def require_cache(model_kwargs, mode: str):
@@ -117,4 +120,25 @@ class DecodeLoop:
         return output_class(sequences=sequences, scores=scores, logits=logits, **fields)
 
 
-__all__ = ["DecodeLoop", "require_cache"]
+@dataclass
+class GenerateEarlyExitOutput(GenerateDecoderOnlyOutput):
+    """`GenerateDecoderOnlyOutput` plus `exit_layers`: `(batch, new_tokens)` decoder-layer index at which each token
+    was decided (`num_hidden_layers - 1` = full depth, -1 where the row had already finished)."""
+
+    exit_layers: torch.LongTensor | None = None
+    greedy_exits: torch.BoolTensor | None = None  # (batch, new_tokens): decided at a lean model's deepest loaded layer
+    deepenings: list | None = None  # lean, guard on: (decoding steps before it, old exit_max_layer, new) per deepening
+
+
+def exit_layers_after_eos(new_tokens: torch.Tensor, eos_token_id, full_depth: int) -> torch.LongTensor:
+    """Exit layers of a full-depth generation: `full_depth` for every token a row decided, -1 after its EOS."""
+    layers = torch.full_like(new_tokens, full_depth)
+    if eos_token_id is None:
+        return layers
+    eos = torch.as_tensor(eos_token_id, device=new_tokens.device).flatten()
+    is_eos = torch.isin(new_tokens, eos).long()
+    finished_before = (is_eos.cumsum(-1) - is_eos) > 0  # an EOS strictly before this position
+    return layers.masked_fill(finished_before, -1)
+
+
+__all__ = ["DecodeLoop", "GenerateEarlyExitOutput", "exit_layers_after_eos", "require_cache"]

@@ -23,27 +23,19 @@ Part of the Hub runtime: imports only torch, transformers and its siblings.
 """
 
 import json
-import math
 import os
 import re
-from collections import deque
 
 import torch
 from torch import nn
 from transformers.utils import cached_file
 
-from .decode_core import run_layers
-
-LEAN_FIELDS = ("exit_breach_limit", "exit_breach_window")  # generation settings of the quality guard
+from .decode_core import _is_int, is_lean, loaded_depth, run_layers
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # validation
 # ---------------------------------------------------------------------------------------------------------------------
-def _is_int(x):
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def allowed_max_layers(config) -> list[int]:
     """The values `exit_max_layer` may take: an exit layer, or the last layer (everything loaded)."""
     return list(config.exit_layers or []) + [config.num_hidden_layers - 1]
@@ -61,41 +53,6 @@ def check_exit_max_layer(config, value) -> None:
             f"`exit_max_layer` must be an exit layer or the last layer: allowed values are {allowed}, got "
             f"{value!r}{where}."
         )
-
-
-def check_lean_argument(name: str, value) -> None:
-    """Validates one quality-guard setting alone (None = not set)."""
-    if value is None:
-        return
-    if name == "exit_breach_limit":
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or not 0 <= value <= 1:
-            raise ValueError(
-                f"`exit_breach_limit` must be a share of greedy exits: allowed values are "
-                f"0 <= exit_breach_limit <= 1, got {value!r}."
-            )
-    elif name == "exit_breach_window":
-        if not _is_int(value) or value < 1:
-            raise ValueError(
-                f"`exit_breach_window` must be a number of decided tokens: allowed values are integers "
-                f">= 1, got {value!r}."
-            )
-    else:
-        raise ValueError(f"Unknown quality-guard setting `{name}`: allowed names are {list(LEAN_FIELDS)}.")
-
-
-def resolve_guard(values: dict) -> tuple[float | None, int | None]:
-    """(breach limit, breach window) from exit setting values; both or neither."""
-    limit, window = values.get("exit_breach_limit"), values.get("exit_breach_window")
-    for name in LEAN_FIELDS:
-        check_lean_argument(name, values.get(name))
-    if (limit is None) != (window is None):
-        given, missing = LEAN_FIELDS if window is None else LEAN_FIELDS[::-1]
-        raise ValueError(
-            f"`{missing}` is required with `{given}`: the guard "
-            "deepens when more than `exit_breach_limit` of the last `exit_breach_window` decided tokens "
-            "were greedy exits; give both, or neither."
-        )
-    return (None if limit is None else float(limit)), window
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -122,16 +79,6 @@ class ShedLayer(nn.Module):
 
     def extra_repr(self):
         return f"index={self.index}, not loaded"
-
-
-def loaded_depth(model) -> int:
-    """Number of decoder layers the layer loop runs: `exit_max_layer + 1` (all of them for a full model)."""
-    max_layer = getattr(model, "exit_max_layer", None)
-    return model.config.num_hidden_layers if max_layer is None else max_layer + 1
-
-
-def is_lean(model) -> bool:
-    return loaded_depth(model) < model.config.num_hidden_layers
 
 
 def _layers_name(model) -> str:
@@ -239,35 +186,6 @@ def next_max_layer(model) -> int:
 # ---------------------------------------------------------------------------------------------------------------------
 # the quality guard
 # ---------------------------------------------------------------------------------------------------------------------
-def keeps_exit_states(model, settings) -> bool:
-    """Whether this decode keeps the states leaving the deepest loaded layer (the guard is on and can deepen)."""
-    return getattr(settings, "breach_window", None) is not None and is_lean(model)
-
-
-def keep_exit_states(model, settings, cache, states, position_ids) -> None:
-    """Keeps `states` `(B, n, D)`, the residual stream leaving the deepest loaded layer at positions `position_ids`
-    `(B, n)`, as deferred states of the layers above it, for a later deepening."""
-    if keeps_exit_states(model, settings):
-        cache.add_pending(loaded_depth(model), states, position_ids)
-
-
-class BreachGuard:
-    """Counts greedy exits over the last `window` decided tokens (all rows of the batch, in decoding order); breached
-    when more than `limit * window` of them were greedy."""
-
-    def __init__(self, limit: float, window: int):
-        self.limit, self.window = limit, window
-        self.recent = deque(maxlen=window)
-
-    def update(self, greedy: torch.Tensor) -> bool:
-        """`greedy`: `(n,)` bools, this step's decided tokens. Returns whether the guard is breached."""
-        self.recent.extend(greedy.tolist())
-        return sum(self.recent) > self.limit * self.window
-
-    def reset(self):
-        self.recent.clear()
-
-
 def deepen(model, cache, attention_mask) -> int:
     """Loads the layers up to the next exit (or the last layer) and brings their K/V up to date for every position
     whose state left the old deepest layer, exactly (the layers themselves run on those states). `attention_mask`:
@@ -328,23 +246,17 @@ def memory_report(model, cache=None) -> dict:
 
 
 __all__ = [
-    "LEAN_FIELDS",
-    "BreachGuard",
     "ShedLayer",
     "allowed_max_layers",
     "check_exit_max_layer",
-    "check_lean_argument",
     "deepen",
     "is_lean",
-    "keep_exit_states",
-    "keeps_exit_states",
     "kv_bytes_per_token",
     "load_layers",
     "loaded_depth",
     "memory_report",
     "next_max_layer",
     "resident_parameter_bytes",
-    "resolve_guard",
     "set_exit_max_layer",
     "shed_layers",
 ]

@@ -54,6 +54,8 @@ from .configuration_early_exit import (
     EarlyExitQwen2Config,
     EarlyExitQwen3Config,
 )
+from .decode_core import is_lean
+from .decode_loop import GenerateEarlyExitOutput, exit_layers_after_eos
 from .draft_table import build_draft_table
 from .drafts import Drafter
 from .exit_heads import ConfidenceHead, ExitHead
@@ -68,29 +70,25 @@ from .families import (
     Qwen2Adapter,
     Qwen3Adapter,
 )
-from .generation_early_exit import (
-    EXIT_ARGUMENTS,
-    EXIT_CRITERIA,
-    EXIT_FIELDS,
-    ExitSettings,
-    GenerateEarlyExitOutput,
-    check_exit_argument,
-    early_exit_generate,
-    exit_layers_after_eos,
-    merged_exit_values,
-    resolve_exit_settings,
-)
-from .lean_early_exit import is_lean, set_exit_max_layer, shed_layers
+from .generation_early_exit import early_exit_generate
+from .lean_early_exit import deepen, set_exit_max_layer, shed_layers
 from .paged_early_exit import check_paged_exits, is_paged, loaded_layers_config, paged_step
 from .paged_speculative import DRAFT_FIELD, attach_paged_drafts, check_paged_drafts, paged_draft_settings
-from .speculative_early_exit import (
+from .request import (
+    EXIT_ARGUMENTS,
+    EXIT_FIELDS,
     MAX_BATCH_FIELD,
     OUR_FIELDS,
-    our_speculative_arguments,
+    ExitSettings,
+    check_exit_argument,
+    exit_settings_for,
+    merged_exit_values,
+    resolve_exit_settings,
+    resolve_request,
     speculation_requested,
-    speculative_generate,
     stored_draft_settings,
 )
+from .speculative_early_exit import speculative_generate
 
 logger = logging.get_logger(__name__)
 _UNSET = object()  # continuous batching's exit settings: not resolved yet
@@ -433,59 +431,44 @@ class EarlyExitMixin(ExitHeadsMixin):
         """
         ids = inputs if inputs is not None else kwargs.get("input_ids")
         batch_size = ids.shape[0] if isinstance(ids, torch.Tensor) and ids.ndim == 2 else None
-        speculative = speculation_requested(self, generation_config, kwargs, batch_size)
-        kwargs.pop(MAX_BATCH_FIELD, None)  # ours, read just now: not a generate() argument of transformers
-        ours = our_speculative_arguments(self, generation_config, kwargs, speculative)  # ours too
-        if speculative:
-            if is_lean(self):
-                raise ValueError(
-                    f"`assistant_early_exit` verifies with every layer above the draft exit, but this model "
-                    f"holds decoder layers 0..{self.exit_max_layer} only; load them with "
-                    f"`model.set_exit_max_layer({self.config.num_hidden_layers - 1})` first."
-                )
+        request = resolve_request(self, generation_config, kwargs, batch_size)  # the one decision (request.py)
+        kwargs = dict(request.kwargs)
+        if request.mode == "speculative":
             return super().generate(
                 inputs,
                 generation_config=generation_config,
                 custom_generate=speculative_generate,
                 spec_streamer=kwargs.pop("streamer", None),
-                **ours,
+                **request.speculative,
                 **kwargs,
             )
-        # stored draft settings the call turned off (confident exits or full depth asked): not transformers' either
-        # (as kwargs: transformers refills a passed config's unset fields from `self.generation_config`)
-        kwargs.update(dict.fromkeys(stored_draft_settings(self, generation_config, kwargs)))
-        settings = self.exit_settings_for(generation_config, kwargs)
-        if settings is None:
-            eos = kwargs.get("eos_token_id", getattr(generation_config or self.generation_config, "eos_token_id", None))
-            out = super().generate(inputs, generation_config=generation_config, **kwargs)
-            return self._with_full_depth_exit_layers(
-                out, inputs if inputs is not None else kwargs.get("input_ids"), eos
-            )
-        self._refuse_with_exits(generation_config, kwargs)
+        if request.mode == "exits":
+            return self.decode_with_exits(inputs, generation_config, request.exit_settings, **kwargs)
+        eos = kwargs.get("eos_token_id", getattr(generation_config or self.generation_config, "eos_token_id", None))
+        out = super().generate(inputs, generation_config=generation_config, **kwargs)
+        return self._with_full_depth_exit_layers(out, ids, eos)
+
+    def decode_with_exits(self, inputs, generation_config, settings: ExitSettings, streamer=None, **kwargs):
+        """transformers' `generate` with the confident-exit loop (`early_exit_generate`) and resolved `settings`
+        (`request.resolve_request`); the pool calls it with its switch (`exit_switch`)."""
         return super().generate(
             inputs,
             generation_config=generation_config,
             custom_generate=early_exit_generate,
             exit_settings=settings,
-            exit_streamer=kwargs.pop("streamer", None),
+            exit_streamer=kwargs.pop("streamer", streamer),
             **kwargs,
         )
 
     def exit_settings_for(self, generation_config=None, kwargs=None) -> ExitSettings | None:
         """The exit settings a decode uses (kwargs over `generation_config` over `self.generation_config`), validated;
-        None for full depth. Pops the exit names from `kwargs`."""
-        values = merged_exit_values(self, generation_config, kwargs)
-        settings = resolve_exit_settings(self.config, values)
-        if settings is None and is_lean(self):  # lean, no exit settings: every token exits at exit_max_layer
-            if values["early_exit"] is False:
-                raise ValueError(
-                    f"`early_exit=False` asks for full depth, but this model holds decoder layers "
-                    f"0..{self.exit_max_layer} only; load the rest with `model.set_exit_max_layer("
-                    f"{self.config.num_hidden_layers - 1})`, or leave exit settings out to exit every "
-                    "token at `exit_max_layer`."
-                )
-            settings = ExitSettings(criterion=EXIT_CRITERIA["max_prob"], thresholds={})
-        return settings
+        None for full depth (`request.exit_settings_for`). Pops the exit names from `kwargs`."""
+        return exit_settings_for(self, generation_config, kwargs)
+
+    def deepen(self, cache, attention_mask) -> int:
+        """A lean model's quality guard breached: loads the next layers and brings their K/V up to date
+        (`lean_early_exit.deepen`). Returns the new `exit_max_layer`."""
+        return deepen(self, cache, attention_mask)
 
     # continuous batching --------------------------------------------------------------------------------------------
     def init_continuous_batching(self, generation_config=None, continuous_batching_config=None, workload_hints=None):
@@ -539,37 +522,6 @@ class EarlyExitMixin(ExitHeadsMixin):
         if trace is not None:
             trace.add(input_ids, position_ids, logits_indices, exit_layers)
         return EarlyExitCausalLMOutput(logits=logits)
-
-    def _refuse_with_exits(self, generation_config, kwargs):
-        """What early-exit decoding cannot honour raises here, never silently."""
-
-        def given(name):
-            value = kwargs.get(name)
-            if value is None and generation_config is not None:
-                value = getattr(generation_config, name, None)
-            return value if value is not None else getattr(self.generation_config, name, None)
-
-        if (given("num_beams") or 1) > 1:
-            raise ValueError(
-                f"Early-exit decoding does not support beam search (`num_beams={given('num_beams')}`); "
-                "pass `early_exit=False` or `num_beams=1`."
-            )
-        for name in ("assistant_model", "custom_generate"):  # drafts with exits: `speculation_requested` refuses
-            if given(name) is not None:
-                raise ValueError(f"Early-exit decoding cannot be combined with `{name}`; pass `early_exit=False`.")
-        for name in ("output_hidden_states", "output_attentions"):
-            if given(name):
-                raise ValueError(
-                    f"`{name}=True` is not available with early exit: rows stop at different layers, so "
-                    "there is no per-layer tensor for the whole batch. Pass `early_exit=False` for them, "
-                    "or read `exit_layers` (return_dict_in_generate=True) for where each token exited."
-                )
-        if given("compile_config") is not None:
-            raise ValueError(
-                "`compile_config` is not available with early exit: the layer loop stops at "
-                "data-dependent depths, which transformers' compiled forward cannot follow. Pass "
-                "`early_exit=False` to compile the full-depth forward."
-            )
 
     def _with_full_depth_exit_layers(self, out, input_ids, eos_token_id):
         """A full-depth `generate` output with `exit_layers` (every token at the last layer, -1 after EOS)."""

@@ -38,10 +38,18 @@ import torch
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
 from transformers.utils import logging
 
-from .decode_core import run_layers
+from .decode_core import (
+    Decided,
+    StepState,
+    backfill_kv,
+    decide_deepest,
+    exit_at,
+    first_confident_exit,
+    loaded_depth,
+    run_layers,
+)
 from .families import LayerInputs
-from .generation_early_exit import Decided, StepState, backfill_kv, decide_deepest, exit_at, first_confident_exit
-from .lean_early_exit import keeps_exit_states, loaded_depth
+from .request import keeps_exit_states
 
 logger = logging.get_logger(__name__)
 

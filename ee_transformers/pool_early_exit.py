@@ -16,7 +16,7 @@ the lowest cost per token. Read top to bottom:
 
 Design, and what it guarantees:
 
-* One loop. The request is one `generate` call (transformers' sampling loop with early exit, `early_exit_generate`):
+* One loop. The request is one `generate` call (transformers' sampling loop with early exit, `model.decode_with_exits`):
   its logits processors, stopping criteria, streamer, EOS padding and sampling RNG are those of one call whatever
   the pool does; the pool only changes the model and cache of the next step (`exit_switch`). So a pool of one model
   is that model's `generate`, and rows that end are padded (pad token, exit layer -1, model index -1) and keep being
@@ -49,21 +49,12 @@ from collections import Counter
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache, GenerationMixin
+from transformers import DynamicCache
 
 from .cache_early_exit import EarlyExitCache
-from .decode_core import deprecated_aliases, run_layers
-from .generation_early_exit import (
-    EXIT_ARGUMENTS,
-    ExitCriterion,
-    ExitSettings,
-    GenerateEarlyExitOutput,
-    StepState,
-    early_exit_generate,
-    first_confident_exit,
-    merged_exit_values,
-    resolve_exit_settings,
-)
+from .decode_core import ExitCriterion, StepState, deprecated_aliases, first_confident_exit, run_layers
+from .decode_loop import GenerateEarlyExitOutput
+from .request import EXIT_ARGUMENTS, ExitSettings, merged_exit_values, refuse_with_exits, resolve_exit_settings
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -240,7 +231,7 @@ def _check_positive_int(name, value, meaning):
 def _is_early_exit_model(model) -> bool:
     # duck-typed: a model loaded with trust_remote_code has classes of another module
     return (
-        all(hasattr(model, name) for name in ("family", "exit_heads", "exit_logits_from_hidden", "_refuse_with_exits"))
+        all(hasattr(model, name) for name in ("family", "exit_heads", "exit_logits_from_hidden", "decode_with_exits"))
         and getattr(getattr(model, "config", None), "exit_layers", None) is not None
     )
 
@@ -330,15 +321,8 @@ class EarlyExitPool:
         streamer = kwargs.pop("streamer", None)
         # the first model's generate prepares the request (config, logits processors, stopping criteria, expansion)
         # and runs the early-exit loop, which asks `request` before every step which model decides it
-        out = GenerationMixin.generate(
-            self.models[0],
-            inputs,
-            generation_config=generation_config,
-            custom_generate=early_exit_generate,
-            exit_settings=settings[0],
-            exit_streamer=streamer,
-            exit_switch=request,
-            **kwargs,
+        out = self.models[0].decode_with_exits(
+            inputs, generation_config, settings[0], streamer=streamer, exit_switch=request, **kwargs
         )
         if not isinstance(out, GenerateEarlyExitOutput):
             return out
@@ -368,7 +352,7 @@ class EarlyExitPool:
         for model in self.models:
             resolved = resolve_exit_settings(model.config, merged_exit_values(model, generation_config, dict(values)))
             settings.append(resolved if resolved is not None else ExitSettings(ExitCriterion(), thresholds={}))
-            model._refuse_with_exits(generation_config, kwargs)  # beams, assistants, per-layer outputs, compile
+            refuse_with_exits(model, generation_config, kwargs)  # beams, assistants, per-layer outputs, compile
         return settings
 
 

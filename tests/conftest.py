@@ -4,6 +4,10 @@ Every invariant test that takes the `family` fixture runs over all of `FAMILIES`
 config class, the plain model class, the config fields beyond `TINY`); it unpacks as that 3-tuple too.
 """
 
+import logging
+import re
+import sys
+import warnings
 from typing import NamedTuple
 
 import pytest
@@ -28,8 +32,89 @@ from transformers import (
     Qwen3Config,
     Qwen3ForCausalLM,
 )
+from transformers.utils import logging as hf_logging
 
 torch.set_num_threads(1)
+
+
+# --- deprecated call patterns fail the suite ------------------------------------------------------------------------
+# pyproject's `filterwarnings` makes a FutureWarning / DeprecationWarning whose origin is this package or its tests an
+# error. transformers reports some deprecated call patterns through its logger instead (e.g. "Passing
+# `generation_config` together with generation-related arguments is deprecated"), once per process: this handler
+# re-issues such a record as a FutureWarning whose origin is the code that made the call, so the same filters judge it
+# and `pytest.warns` can assert it; the fixture below re-arms `warning_once`. The origin: the caller of the innermost
+# `generate` the record came from, past torch's decorators and the runtime's own `generate` methods (which pass their
+# arguments on); a call transformers makes itself (its assistant's generate) is transformers', and explicit None
+# draft settings the runtime adds to a caller's config are the runtime's.
+WRAPPERS = {"torch", "functools", "contextlib"}
+
+
+def _module(frame) -> str:
+    return frame.f_globals.get("__name__", "")
+
+
+def _is_wrapper(frame) -> bool:  # decorators around a `generate`: torch's no_grad, transformers' deprecation helpers
+    return _module(frame).split(".")[0] in WRAPPERS or _module(frame).startswith("transformers.utils.")
+
+
+def _caller_of_generate(frame):
+    """(the frame that called the innermost `generate` above `frame`, the innermost frame of this package on the
+    way), or (None, None) when no `generate` is on the stack."""
+    while frame is not None and frame.f_code.co_name != "generate":
+        frame = frame.f_back
+    inner = None
+    while frame is not None and (frame.f_code.co_name == "generate" or _is_wrapper(frame)):
+        if inner is None and _module(frame).startswith("ee_transformers"):
+            inner = frame
+        if frame.f_code.co_name == "generate" and not _module(frame).startswith(("transformers", "ee_transformers")):
+            break  # a `generate` of some other code (a test's own) is a caller like any other
+        frame = frame.f_back
+    return frame, inner
+
+
+def _added_by_the_runtime(inner, message) -> bool:
+    """Whether the arguments transformers names are all stored draft settings that the runtime's `generate` turned
+    off itself, as explicit None kwargs next to the caller's config (then the runtime made the deprecated call)."""
+    names = re.findall(r"'(\w+)'", message.partition("arguments=(")[2].partition(")")[0])
+    if inner is None or inner.f_code.co_name != "generate" or not names:
+        return False
+    kwargs, model = inner.f_locals.get("kwargs") or {}, inner.f_locals.get("self")
+    stored = getattr(model, "generation_config", None)
+    return all(n in kwargs and kwargs[n] is None and getattr(stored, n, None) is not None for n in names)
+
+
+class DeprecationLogToWarning(logging.Handler):
+    def emit(self, record):
+        message = record.getMessage()
+        if "deprecated" not in message:
+            return
+        frame, inner = _caller_of_generate(sys._getframe(1))
+        if _added_by_the_runtime(inner, message):
+            frame = inner
+        if frame is None:  # not about a generate call: the first frame outside transformers and logging
+            frame = sys._getframe(1)
+            while frame.f_back is not None and _module(frame).split(".")[0] in {"transformers", "logging", __name__}:
+                frame = frame.f_back
+        where = f"called at {frame.f_code.co_filename}:{frame.f_lineno}"
+        if inner is not None and inner is not frame:
+            where += f", through {inner.f_code.co_filename}:{inner.f_lineno}"
+        warnings.warn_explicit(
+            f"{message} ({where})",
+            FutureWarning,
+            frame.f_code.co_filename,
+            frame.f_lineno,
+            module=_module(frame),
+            registry=frame.f_globals.setdefault("__warningregistry__", {}),
+        )
+
+
+hf_logging.get_logger("transformers").addHandler(DeprecationLogToWarning())
+
+
+@pytest.fixture(autouse=True)
+def _rearm_warning_once():
+    hf_logging.warning_once.cache_clear()  # a message logged "once" in an earlier test is reported again here
+
 
 TINY = dict(
     vocab_size=99,

@@ -1,5 +1,8 @@
 """Helpers that several test modules use: plain functions, classes and settings (fixtures live in conftest.py)."""
 
+import ast
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import LayerCalls, padded_batch
@@ -119,3 +122,83 @@ def models_per_family(base_dirs, prepare=None):
 def sliding_window(base) -> bool:
     """Whether the base model's layers attend through a sliding window."""
     return bool(getattr(base.config, "sliding_window", None) and getattr(base.config, "use_sliding_window", True))
+
+
+# --- the import graph, read with `ast` (tests/test_import_graph.py, tests/test_layout.py) ----------------------------
+def package_modules(root: Path, package: str = "ee_transformers") -> dict[str, Path]:
+    """{dotted module name: file} of every module of `package` under `root` (a package is its `__init__.py`)."""
+    modules = {}
+    for path in sorted((root / package).rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def imports_of(name: str, path: Path, modules) -> list[tuple[str, int, int]]:
+    """(imported name, relative level, line) for every import in the file, top level or not; a `from X import y`
+    names `X.y` where that is a module, else `X`."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, 0, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{anchor}.{base}" if base else anchor
+            for alias in node.names:
+                target = f"{base}.{alias.name}"
+                found.append((target if target in modules else base, node.level, node.lineno))
+    return found
+
+
+def import_graph(root: Path, package: str = "ee_transformers") -> dict[str, set[str]]:
+    """{module: the modules of `package` it imports}."""
+    modules = package_modules(root, package)
+    return {
+        name: {target for target, _, _ in imports_of(name, path, modules) if target in modules and target != name}
+        for name, path in modules.items()
+    }
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle (a list of modules, the first repeated at the end) per strongly connected group of modules."""
+    index, low, stack, on_stack, groups = {}, {}, [], set(), []
+
+    def visit(v):  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = set()
+            while v not in group:
+                group.add(stack.pop())
+            on_stack.difference_update(group)
+            if len(group) > 1:
+                groups.append(group)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return [_cycle_in(graph, group) for group in groups]
+
+
+def _cycle_in(graph, group):
+    start = min(group)
+    paths, seen = [[start]], {start}
+    while paths:  # breadth first: the shortest way from `start` back to itself inside the group
+        path = paths.pop(0)
+        for w in sorted(graph[path[-1]] & group):
+            if w == start:
+                return path + [start]
+            if w not in seen:
+                seen.add(w)
+                paths.append(path + [w])
+    raise AssertionError(f"no cycle through {start} in {sorted(group)}")

@@ -7,15 +7,15 @@ import dataclasses
 
 import pytest
 
+from ee_transformers.measure.config import BenchConfig
 from ee_transformers.tools import bench
-from ee_transformers.tools.arguments import ArgumentParser, InputError, add_config_arguments, config_from_args
-from ee_transformers.tools.bench.config import BenchConfig
 from ee_transformers.tools.bench.lean import LeanConfig
 from ee_transformers.tools.bench.pool import PoolConfig
 from ee_transformers.tools.bench.speculative import PYTHON_ONLY, SpeculativeConfig
 from ee_transformers.training import calibrate as calibration
 from ee_transformers.training.calibrate import CalibrationConfig
 from ee_transformers.training.fit_exit_heads import FitConfig
+from ee_transformers.utils.arguments import ArgumentParser, InputError, add_config_arguments, config_from_args
 
 
 @pytest.mark.parametrize(

@@ -9,8 +9,8 @@ import torch
 from conftest import make_base
 
 import ee_transformers as eet
+from ee_transformers.measure.costs import full_step_cost, ideal_speedup, step_cost
 from ee_transformers.tools import bench
-from ee_transformers.tools.costs import full_step_cost, ideal_speedup, step_cost
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ from transformers import AutoModelForCausalLM
 
 import ee_transformers as eet
 from ee_transformers.tools.bench import plain_twin, random_prompts
+from ee_transformers.tools.calibrate import main
 from ee_transformers.training import calibrate_lossless as lossless
-from ee_transformers.training.calibrate import main
 from ee_transformers.training.fit_exit_heads import save_model_folder
 from ee_transformers.training.tiny import save_tiny_base, tiny_texts, tiny_tokenizer, write_texts
 

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 import ee_transformers as eet
+from ee_transformers.tools.calibrate import main
 from ee_transformers.training.calibrate import (
     CalibrationConfig,
     apply_calibration,
     calibrate,
     calibration_card,
     collect_exit_scores,
-    main,
     measure_costs,
     scores_from_logits,
     search_policy,

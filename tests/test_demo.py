@@ -1,10 +1,13 @@
 """The main job's final screen (`ee_transformers.tools.demo`): the HELIOS pool's rows on a mixed prompt set."""
 
+import torch
 from helpers import ALWAYS, NEVER, model_with
 
 from ee_transformers.lean_early_exit import resident_parameter_bytes
+from ee_transformers.measure.timing import greedy_generation_config, only_these_drafts, without_eos
 from ee_transformers.tools import bench
 from ee_transformers.tools.demo import pool_rows
+from ee_transformers.utils.generation import generate_kwargs
 
 
 def test_pool_rows_show_each_model_alone_and_the_pool_that_moves_to_the_one_that_exits(base_dirs):
@@ -52,15 +55,12 @@ def test_final_screen_shows_full_depth_when_stored_and_the_setting_calibration_t
     lines = gains(model, plain, prompts, _report(chosen=False), [1, 2], new_tokens=6, quick=True)
     table = [line for line in lines[2:] if line.startswith("| ")]
     rows = {(c[0], c[1]): c for c in ([x.strip() for x in line.strip("|").split("|")] for line in table)}
-    assert len(rows) == 8, "full depth, stored, closest, self-speculative at each batch size"  # lossless=None
+    assert len(rows) == 6, "full depth, stored, closest at each batch size"  # lossless=None: no lossless rows
     assert rows["full depth", "1"][3:6] == ["1.000", "1.000", "6.0"]
     assert rows["calibrated (stored)", "1"][2] == "= full depth"
     closest = rows["closest setting (not stored)", "1"]
     assert closest[2] == "0.98x (lower quartile 0.95x)" and "turned down" in closest[-1]
     assert rows["closest setting (not stored)", "2"][2].startswith("not measured at this batch")
-    for b in ("1", "2"):  # lossless: the text is full depth's, measured
-        spec = next(c for (mode, batch), c in rows.items() if mode.startswith("self-speculative") and batch == b)
-        assert spec[3:5] == ["1.000", "1.000"]
     assert any("identical-token share compares whole texts" in line for line in lines)
 
 
@@ -80,18 +80,36 @@ def test_final_screen_times_the_lossless_setting_and_transformers_prompt_lookup(
 
     model = model_with(base_dirs, seed=5)
     plain = bench.plain_twin(model)
-    prompts = bench.random_prompts(99, 2, window=6)
+    prompts = bench.random_prompts(99, 4, window=6)
     config = lossless.LosslessCalibrationConfig(
         batch_sizes=[1, 2], lookup_tokens=[2], ngram_sizes=[3], num_prompts=2, new_tokens=6
     )
-    report = lossless.calibrate_lossless(model, plain, prompts, config, log=lambda *_: None)
+    report = lossless.calibrate_lossless(model, plain, prompts[:2], config, log=lambda *_: None)
     lines = gains(model, plain, prompts, _report(chosen=False), [1, 2], new_tokens=6, quick=True, lossless=report)
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines if line.startswith("| ")]
     ours = [r for r in rows if r[0].startswith("lossless: context drafts")]
     theirs = [r for r in rows if r[0] == "transformers' prompt lookup"]
     layer_skip = [r for r in rows if r[0] == "transformers' assistant_early_exit"]
+    exit_drafts = [r for r in rows if r[0].startswith("self-speculative (drafts from exit 1")]
     assert [r[1] for r in ours] == ["1", "2"] and [r[1] for r in theirs] == ["1"]  # transformers refuses batch 2
     assert [r[1] for r in layer_skip] == ["1"] and "assistant_early_exit=" in layer_skip[0][-1]
-    assert all(r[3:5] == ["1.000", "1.000"] and "x (sum " in r[2] for r in ours + theirs + layer_skip)
+    assert [r[1] for r in exit_drafts] == ["1", "2"]
+    lossless_rows = ours + theirs + layer_skip + exit_drafts
+    assert all(r[3:5] == ["1.000", "1.000"] and "x (sum " in r[2] for r in lossless_rows)
+    # the rows that never pay are timed on SLOW_ROW_PROMPTS (2) of the 4 prompts, and say so; the others on all
+    assert all(r[-1].endswith("(timed on 2 of the 4 prompts)") for r in layer_skip + exit_drafts)
+    assert not any("timed on" in r[-1] for r in ours + theirs)
+    # acceptance next to speed for our rows (transformers' assisted loop does not report it)
+    assert all("% of drafts accepted" in r[2] for r in ours + exit_drafts)
+    assert not any("accepted" in r[2] for r in theirs + layer_skip)
+    # ... and it is the share the outputs report: the exit-draft row at batch 1, on the 2 prompts it was timed on
+    with without_eos(model, plain):
+        greedy = greedy_generation_config(plain, 6, clear_exit_settings=True)
+        settings = generate_kwargs(
+            model, greedy, **only_these_drafts({"assistant_early_exit": 2, "num_assistant_tokens": 4})
+        )
+        outs = [model.generate(torch.tensor([p["ids"]]), **settings) for p in prompts[:2]]
+    accepted, drafted = sum(int(o.accepted_tokens.sum()) for o in outs), sum(int(o.draft_tokens.sum()) for o in outs)
+    assert drafted > 0 and f", {100 * accepted / drafted:.0f}% of drafts accepted" in exit_drafts[0][2]
     stored = "stored" if report["chosen"] else "not stored"
     assert all(f"({stored}" in r[0] for r in ours) and "prompt_lookup_num_tokens=2" in ours[0][-1]

@@ -249,7 +249,7 @@ def test_bench_lossless_table_from_a_text_file_and_a_missing_one(base_dirs, tmp_
     entries, tokens = store_table_from(model, numbered_tokenizer(), str(text))
     keys, _ = build_draft_table([[5, 6, 7, 5, 6, 8, 5, 6, 7]], model.config.vocab_size)
     assert (entries, tokens) == (keys.numel(), 9) and torch.equal(model.draft_table_keys, keys)
-    with pytest.raises(InputError, match=r"`--table-from` must be 'training' or a text file"):
+    with pytest.raises(InputError, match=r"`--table-from` must be 'training', 'austen', 'python' or a text file"):
         store_table_from(model, None, str(tmp_path / "none.txt"))
 
 

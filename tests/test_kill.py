@@ -21,8 +21,8 @@ import pytest
 
 import ee_transformers as eet
 from ee_transformers.tools import cli
-from ee_transformers.tools.outputs import OutputFolder
 from ee_transformers.training.tiny import save_tiny_base, tiny_texts, write_texts
+from ee_transformers.utils.outputs import OutputFolder
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,24 +1,12 @@
 """The package's layout, as its docstrings and the style notes state it, checked against the source and against what
 saving really does.
 
-The import graph is read with `ast`, nothing of the package is imported: a node per module of `ee_transformers`, an
-edge per import of another one, absolute (`ee_transformers.x`) or relative, at the top of a file or inside a
-function. An import names the module it names (`from ee_transformers.tools.bench.timing import agreement` is an edge
-to `tools.bench.timing`, `from ee_transformers.tools import bench` one to `tools.bench`); the packages above it, which
-Python runs first, are not counted, or every module would depend on `ee_transformers/__init__.py`. So a package's
-`__init__` importing its own submodules is fine as long as no submodule imports the package back: that is a cycle.
-
-The direction, lowest first:
-* the Hub runtime: the flat modules a saved folder carries (`modeling_early_exit.py` and the single-dot relative
-  imports transformers' `custom_object_save` follows from it). They import only the standard library, torch,
-  transformers (and safetensors, which transformers requires) and each other, by single-dot relative imports (a Hub
-  folder holds nothing else);
-* everything else (`convert.py`, `pool_early_exit.py`, `tools/`, `training/`) may import the runtime, never the reverse;
-* `training/` is a library below the tools' command-line code (`demo`, `bench-pool`, `bench` run fits and
-  calibrations) and above the tools' own libraries (`arguments`, `outputs`, `costs`, `quality`, the benchmark's
-  `bench.timing`, which calibration measures with). So a training module may import tools modules, but never one
-  that leads back into `training/`: the tools modules that import training sit above it. (The reverse, tools below
-  training, would need the demo not to run fits; training below all of tools would need the tools' libraries moved.)
+The import graph (`helpers.import_graph`, read with `ast`, nothing of the package imported) is checked here for the Hub
+runtime: the flat modules a saved folder carries (`modeling_early_exit.py` and the single-dot relative imports
+transformers' `custom_object_save` follows from it) import only the standard library, torch, transformers (and
+safetensors, which transformers requires) and each other, by single-dot relative imports (a Hub folder holds nothing
+else). The layers of the whole package (runtime <- library <- command line, no cycles) are
+tests/test_import_graph.py's.
 
 Function length, also read with `ast`: at most 80 lines in `tools/` and `training/`, 60 in the flat modules directly in
 `ee_transformers/`, but for the explicit allow-lists below (empty today; lists that may only shrink). The old
@@ -34,6 +22,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import imports_of, package_modules
 from transformers.dynamic_module_utils import get_relative_import_files
 
 import ee_transformers as eet
@@ -47,85 +36,6 @@ RUNTIME_MAY_IMPORT = {"torch", "transformers", "safetensors"}
 
 def _docstring(path: Path) -> str:
     return ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
-
-
-def package_modules(root: Path, package: str = "ee_transformers") -> dict[str, Path]:
-    """{dotted module name: file} of every module of `package` under `root` (a package is its `__init__.py`)."""
-    modules = {}
-    for path in sorted((root / package).rglob("*.py")):
-        parts = path.relative_to(root).with_suffix("").parts
-        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
-    return modules
-
-
-def imports_of(name: str, path: Path, modules) -> list[tuple[str, int, int]]:
-    """(imported name, relative level, line) for every import in the file, top level or not; a `from X import y`
-    names `X.y` where that is a module, else `X`."""
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found = []
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.Import):
-            found += [(alias.name, 0, node.lineno) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
-                base = f"{anchor}.{base}" if base else anchor
-            for alias in node.names:
-                target = f"{base}.{alias.name}"
-                found.append((target if target in modules else base, node.level, node.lineno))
-    return found
-
-
-def import_graph(root: Path, package: str = "ee_transformers") -> dict[str, set[str]]:
-    """{module: the modules of `package` it imports}."""
-    modules = package_modules(root, package)
-    return {
-        name: {target for target, _, _ in imports_of(name, path, modules) if target in modules and target != name}
-        for name, path in modules.items()
-    }
-
-
-def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """One cycle (a list of modules, the first repeated at the end) per strongly connected group of modules."""
-    index, low, stack, on_stack, groups = {}, {}, [], set(), []
-
-    def visit(v):  # Tarjan's strongly connected components
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on_stack.add(v)
-        for w in sorted(graph[v]):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            group = set()
-            while v not in group:
-                group.add(stack.pop())
-            on_stack.difference_update(group)
-            if len(group) > 1:
-                groups.append(group)
-
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
-    return [_cycle_in(graph, group) for group in groups]
-
-
-def _cycle_in(graph, group):
-    start = min(group)
-    paths, seen = [[start]], {start}
-    while paths:  # breadth first: the shortest way from `start` back to itself inside the group
-        path = paths.pop(0)
-        for w in sorted(graph[path[-1]] & group):
-            if w == start:
-                return path + [start]
-            if w not in seen:
-                seen.add(w)
-                paths.append(path + [w])
-    raise AssertionError(f"no cycle through {start} in {sorted(group)}")
 
 
 def runtime_modules(root: Path = ROOT) -> set[str]:
@@ -155,65 +65,13 @@ def upward_imports(root: Path = ROOT) -> list[str]:
     return bad
 
 
-def training_round_trips(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Ways from a training module out of `training/` and back into it: training imports a module above it."""
-    inside = lambda m: m.startswith("ee_transformers.training")
-    found = []
-    for start in sorted(filter(inside, graph)):
-        paths, seen = [[start, w] for w in sorted(graph[start]) if not inside(w)], set()
-        while paths:
-            path = paths.pop(0)
-            for w in sorted(graph[path[-1]]):
-                if inside(w):
-                    found.append(path + [w])
-                elif w not in seen:
-                    seen.add(w)
-                    paths.append(path + [w])
-    return found
-
-
-# -- the checker itself, on a small package with every kind of import -------------------------------------------------
-def test_the_graph_sees_relative_absolute_and_function_level_imports_and_reports_cycles(tmp_path):
-    files = {
-        "pkg/__init__.py": "from .a import f\n",
-        "pkg/a.py": "import os\nfrom . import b\ndef f():\n    from pkg.sub import c\n",
-        "pkg/b.py": "",
-        "pkg/sub/__init__.py": "",
-        "pkg/sub/c.py": "def g():\n    import pkg.a\nfrom ..b import x\n",
-    }
-    for name, text in files.items():
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text(text)
-    graph = import_graph(tmp_path, "pkg")
-    assert graph == {
-        "pkg": {"pkg.a"},
-        "pkg.a": {"pkg.b", "pkg.sub.c"},
-        "pkg.b": set(),
-        "pkg.sub": set(),
-        "pkg.sub.c": {"pkg.a", "pkg.b"},
-    }
-    assert cycles(graph) == [["pkg.a", "pkg.sub.c", "pkg.a"]]
-
-
 # -- the package --------------------------------------------------------------------------------------------------------
-def test_no_import_cycles():
-    found = cycles(import_graph(ROOT))
-    assert not found, "import cycles among the package's modules:\n" + "\n".join(" -> ".join(c) for c in found)
-
-
 def test_the_runtime_imports_only_the_standard_library_torch_transformers_and_itself():
     runtime = runtime_modules()
     assert {"ee_transformers.modeling_early_exit", "ee_transformers.configuration_early_exit"} <= runtime, runtime
     bad = upward_imports()
     assert not bad, "the Hub runtime may import only torch, transformers, the standard library and its siblings:\n" + (
         "\n".join(bad)
-    )
-
-
-def test_training_never_imports_the_tools_that_import_training():
-    found = training_round_trips(import_graph(ROOT))
-    assert not found, "training/ imports modules that lead back into it (see this file's docstring):\n" + "\n".join(
-        " -> ".join(path) for path in found
     )
 
 

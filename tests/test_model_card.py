@@ -12,11 +12,10 @@ from pathlib import Path
 import pytest
 
 import ee_transformers as eet
-from ee_transformers.tools import assets
+from ee_transformers.tools import assets, calibrate, fit
 from ee_transformers.tools.cli import convert_main
-from ee_transformers.tools.model_card import front_matter, source_card_data
-from ee_transformers.training import calibrate, fit_exit_heads
 from ee_transformers.training.tiny import save_tiny_base, tiny_texts, write_texts
+from ee_transformers.utils.model_card import front_matter, source_card_data
 
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
@@ -58,7 +57,7 @@ def test_base_model_and_license_survive_convert_fit_and_calibrate(fetched, tmp_p
     convert_main([str(fetched), str(converted), "--exit-layers", "1,2"])
     texts = write_texts(tmp_path / "text", tiny_texts(n_docs=6))
     assert (
-        fit_exit_heads.main(
+        fit.main(
             [
                 "--model",
                 str(converted),

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from ee_transformers.tools import outputs
-from ee_transformers.tools.arguments import InputError
-from ee_transformers.tools.outputs import MANIFEST, OutputFolder
+from ee_transformers.utils import outputs
+from ee_transformers.utils.arguments import InputError
+from ee_transformers.utils.outputs import MANIFEST, OutputFolder
 
 
 def tree(root):

@@ -1,12 +1,12 @@
-"""Issue 14: one definition per quality measure (ee_transformers.tools.quality), as calibrate, bench and the demo use
+"""Issue 14: one definition per quality measure (ee_transformers.measure.quality), as calibrate, bench and the demo use
 them."""
 
 import torch
 from conftest import padded_batch
 
 import ee_transformers as eet
+from ee_transformers.measure.quality import full_model_view, identical_share, perplexity
 from ee_transformers.tools import bench
-from ee_transformers.tools.quality import full_model_view, identical_share, perplexity
 
 
 def test_full_depth_greedy_text_agrees_with_itself_everywhere(base_dirs):
@@ -47,7 +47,7 @@ def test_bench_reports_every_measure(base_dirs):
 
 
 def test_card_snippet_uses_the_stored_settings(base_dirs, tmp_path):
-    from ee_transformers.tools.model_card import render_model_card
+    from ee_transformers.utils.model_card import render_model_card
 
     model = eet.from_base(base_dirs["llama"][0], exit_layers=[0, 1, 2])
     bare = render_model_card(model)

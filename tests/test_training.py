@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import ee_transformers as eet
+from ee_transformers.tools.fit import main
 from ee_transformers.training.checkpoint import list_checkpoints
 from ee_transformers.training.data import (
     check_block_size,
@@ -17,7 +18,7 @@ from ee_transformers.training.data import (
     split_blocks,
     tokenize_blocks,
 )
-from ee_transformers.training.fit_exit_heads import FitConfig, evaluate_exits, fit_exit_heads, main, save_model_folder
+from ee_transformers.training.fit_exit_heads import FitConfig, evaluate_exits, fit_exit_heads, save_model_folder
 from ee_transformers.training.tiny import save_tiny_base, tiny_texts, tiny_tokenizer, write_texts
 
 torch.set_num_threads(1)

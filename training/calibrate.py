@@ -3,7 +3,7 @@
 
 import sys
 
-from ee_transformers.training.calibrate import main
+from ee_transformers.tools.calibrate import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -3,7 +3,7 @@
 
 import sys
 
-from ee_transformers.training.fit_exit_heads import main
+from ee_transformers.tools.fit import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -8,17 +8,17 @@ Each subcommand's module owns its argument parser (`main(argv)`); this file only
 import importlib
 import sys
 
-from ee_transformers.tools.arguments import ArgumentParser, InputError, comma_list, run_command
+from ee_transformers.utils.arguments import ArgumentParser, InputError, comma_list, run_command
 
 SUBCOMMANDS = {
     "convert": ("ee_transformers.tools.cli", "convert_main", "build an early-exit folder from a plain checkpoint"),
     "fetch-assets": ("ee_transformers.tools.assets", "main", "fetch SmolLM2-135M and real English text (cached)"),
     "fit": (
-        "ee_transformers.training.fit_exit_heads",
+        "ee_transformers.tools.fit",
         "main",
         "fit exit heads (same as python training/fit.py)",
     ),
-    "calibrate": ("ee_transformers.training.calibrate", "main", "choose exits and thresholds for a quality target"),
+    "calibrate": ("ee_transformers.tools.calibrate", "main", "choose exits and thresholds for a quality target"),
     "profile": (
         "ee_transformers.tools.profile",
         "main",
@@ -90,7 +90,7 @@ def convert_main(argv=None):
 
 def _convert(args):
     from ee_transformers.convert import check_weights, from_base, read_config
-    from ee_transformers.tools.outputs import OutputFolder
+    from ee_transformers.utils.outputs import OutputFolder
 
     out = OutputFolder(args.out, overwrite=args.overwrite, argument="out")
     if not args.exit_layers:

@@ -3,7 +3,9 @@
     ee-transformers calibrate my-ee-model --lossless --out my-ee-model-fast
 
 Lossless modes never change the text (greedy output is token for token full depth's), so the only question is speed,
-and speed is measured, not predicted: every candidate (context drafts `prompt_lookup_num_tokens=N` with
+and speed is measured, not predicted (each candidate decodes with the gate on, as a user's call does: its rounds
+draft only where they are expected to pay, from the row's text, the history of earlier generations and the table):
+every candidate (context drafts `prompt_lookup_num_tokens=N` with
 `max_matching_ngram_size=G`; with `exits`, exit-head drafts `assistant_early_exit` alone and with context drafts) is
 timed against plain greedy generate, paired and interleaved on held-out prompts, at every batch size. The candidate
 that beats full depth over the widest range of batch sizes from the smallest (the fastest at the smallest first) is
@@ -23,11 +25,11 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ee_transformers.speculative_early_exit import MAX_BATCH_FIELD, TABLE_FIELD, VOCAB_FIELD, WIDTH_FIELD
-from ee_transformers.tools.arguments import check_fields
-from ee_transformers.tools.bench.loading import make_batches
-from ee_transformers.tools.bench.lossless import measure_rows
-from ee_transformers.tools.bench.timing import greedy_generation_config, without_eos
+from ee_transformers.measure.loading import make_batches
+from ee_transformers.measure.lossless import measure_rows
+from ee_transformers.measure.timing import greedy_generation_config, without_eos
+from ee_transformers.request import MAX_BATCH_FIELD, TABLE_FIELD, VOCAB_FIELD, WIDTH_FIELD
+from ee_transformers.utils.arguments import check_fields
 
 __all__ = [
     "LosslessCalibrationConfig",
@@ -54,10 +56,15 @@ class LosslessCalibrationConfig:
 
     batch_sizes: list[int] = field(default_factory=lambda: [1, 8], metadata={"help": "batch sizes timed", "min": 1})
     lookup_tokens: list[int] = field(
-        default_factory=lambda: [1, 2, 3, 4], metadata={"help": "prompt_lookup_num_tokens candidates", "min": 1}
+        default_factory=lambda: [4, 8],
+        metadata={
+            "help": "prompt_lookup_num_tokens candidates (the most drafts a row verifies in a round: the gate and each "
+            "row's chain decide how many it does)",
+            "min": 1,
+        },
     )
     ngram_sizes: list[int] = field(
-        default_factory=lambda: [2, 3], metadata={"help": "max_matching_ngram_size candidates", "min": 1}
+        default_factory=lambda: [3], metadata={"help": "max_matching_ngram_size candidates", "min": 1}
     )
     verify_widths: list[int] = field(
         default_factory=lambda: [0],

@@ -12,8 +12,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from ee_transformers.tools.arguments import InputError
-from ee_transformers.tools.outputs import clean_stale, process_alive, replace_folder
+from ee_transformers.utils.arguments import InputError
+from ee_transformers.utils.outputs import clean_stale, process_alive, replace_folder
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def read_marker(folder: Path) -> dict | None:
 
 def install_folder(staging: Path, final: Path) -> None:
     """Puts the fully built ``staging`` folder at ``final`` in one atomic step, replacing whatever was there (the
-    output folders' own swap: ``ee_transformers.tools.outputs.replace_folder``)."""
+    output folders' own swap: ``ee_transformers.utils.outputs.replace_folder``)."""
     replace_folder(staging, final)
 
 

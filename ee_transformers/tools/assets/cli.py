@@ -6,11 +6,11 @@ import logging
 import os
 import sys
 
-from ee_transformers.tools.arguments import ArgumentParser, run_command
 from ee_transformers.tools.assets.cache import cache_folder
 from ee_transformers.tools.assets.gemma import fetch_gemma3_270m
 from ee_transformers.tools.assets.model import fetch_model
 from ee_transformers.tools.assets.text import fetch_text
+from ee_transformers.utils.arguments import ArgumentParser, run_command
 
 
 def fetch_assets(cache_dir: str | os.PathLike | None = None, force: bool = False) -> dict:

@@ -25,14 +25,16 @@ Python API: `BenchConfig` (the settings; the CLI's flags are generated from it),
 Modules, in the order a run uses them: `loading` (the plain twin, prompts, batches), `forced` (forced exit profiles),
 `timing` (interleaved generate, paired ratios, agreement), `step_profile` (where a step's time goes), `run` (the
 configurations and the whole benchmark), `report` (targets, table, plots, files), `cli` (`ee-transformers bench`).
+`config`, `forced`, `timing` and the loading of models and batches are the library's `ee_transformers.measure`
+(calibration measures with them too), here under their old names.
 The other benchmarks are one module each, with a config dataclass their flags are generated from: `lean`
 (`ee-transformers bench-lean`), `speculative` (`bench-speculative`), `lossless` (`bench-lossless`), `pool`
 (`bench-pool`), `serve` (`bench-serve`).
 """
 
-from ee_transformers.tools.bench.cli import build_parser, main
-from ee_transformers.tools.bench.config import BenchConfig, Variant
-from ee_transformers.tools.bench.forced import (
+from ee_transformers.measure.config import BenchConfig, Variant
+from ee_transformers.measure.costs import measure_costs
+from ee_transformers.measure.forced import (
     FORCED_GRID,
     FORCED_MODES,
     FORCED_PROFILES,
@@ -40,6 +42,9 @@ from ee_transformers.tools.bench.forced import (
     ForcedProfile,
     forced_profile,
 )
+from ee_transformers.measure.timing import agreement, compare, compare_many
+from ee_transformers.tools.bench import config, forced, timing  # noqa: F401 (`bench.timing` etc., as before)
+from ee_transformers.tools.bench.cli import build_parser, main
 from ee_transformers.tools.bench.loading import (
     HELDOUT_REGIONS,
     heldout_prompts,
@@ -70,8 +75,6 @@ from ee_transformers.tools.bench.run import (
     sweep_variants,
 )
 from ee_transformers.tools.bench.step_profile import profile_step
-from ee_transformers.tools.bench.timing import agreement, compare, compare_many
-from ee_transformers.tools.costs import measure_costs
 
 __all__ = [
     "FORCED_GRID",

@@ -14,7 +14,12 @@ from pathlib import Path
 import torch
 
 from ee_transformers.convert import check_weights, read_config
-from ee_transformers.tools.arguments import (
+from ee_transformers.measure.config import QUICK, BenchConfig
+from ee_transformers.tools.bench.loading import default_text_files, heldout_prompts, load_models, random_prompts
+from ee_transformers.tools.bench.report import format_table, write_outputs
+from ee_transformers.tools.bench.run import run_benchmark
+from ee_transformers.training.data import read_texts
+from ee_transformers.utils.arguments import (
     ArgumentParser,
     InputError,
     add_config_arguments,
@@ -22,12 +27,7 @@ from ee_transformers.tools.arguments import (
     config_from_args,
     run_command,
 )
-from ee_transformers.tools.bench.config import QUICK, BenchConfig
-from ee_transformers.tools.bench.loading import default_text_files, heldout_prompts, load_models, random_prompts
-from ee_transformers.tools.bench.report import format_table, write_outputs
-from ee_transformers.tools.bench.run import run_benchmark
-from ee_transformers.tools.outputs import OutputFolder
-from ee_transformers.training.data import read_texts
+from ee_transformers.utils.outputs import OutputFolder
 
 
 def build_parser():

@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_flatten
 
 from ee_transformers.generation_early_exit import ExitStats
 from ee_transformers.lean_early_exit import kv_bytes_per_token, resident_parameter_bytes
-from ee_transformers.tools.arguments import (
+from ee_transformers.utils.arguments import (
     ArgumentParser,
     add_config_arguments,
     check_fields,
@@ -42,6 +42,7 @@ from ee_transformers.tools.arguments import (
     config_from_args,
     run_command,
 )
+from ee_transformers.utils.generation import generate_kwargs
 
 __all__ = [
     "LeanConfig",
@@ -172,7 +173,7 @@ def _sync(device):
 
 def _generation_config(model, new_tokens):
     """Greedy, exactly `new_tokens` tokens (EOS does not stop a row, so every run decodes the same steps)."""
-    from ee_transformers.tools.bench.timing import greedy_generation_config
+    from ee_transformers.measure.timing import greedy_generation_config
 
     return greedy_generation_config(model, new_tokens)
 
@@ -193,7 +194,7 @@ def _generate(model, prompts, batch_size, new_tokens, exit_kwargs, offset=0):
     ids, mask = _batch(prompts, batch_size, offset)
     ids, mask = ids.to(model.device), mask.to(model.device)
     return model.generate(
-        ids, attention_mask=mask, generation_config=_generation_config(model, new_tokens), **exit_kwargs
+        ids, attention_mask=mask, **generate_kwargs(model, _generation_config(model, new_tokens), **exit_kwargs)
     )
 
 
@@ -228,7 +229,7 @@ def fit_batch(memory: dict, budget: int, max_batch: int = 4096) -> int:
 def _quality(model, reference, prompts, new_tokens, exit_kwargs, batch_size, reset_to=None):
     """Agreement of `model`'s greedy tokens with `reference` (plain full depth), batch by batch; with `reset_to`,
     the lean model goes back to that depth before every batch (the guard may have deepened it)."""
-    from ee_transformers.tools.bench.timing import agreement
+    from ee_transformers.measure.timing import agreement
 
     rows, exits, greedy, deepenings, tokens = [], [], [], 0, 0
     for start in range(0, len(prompts), batch_size):

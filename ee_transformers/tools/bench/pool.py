@@ -30,14 +30,15 @@ from pathlib import Path
 
 import torch
 
-from ee_transformers.tools.arguments import (
+from ee_transformers.tools.assets.text import CALIBRATION_REGIONS, FIT_REGIONS, text_slice
+from ee_transformers.utils.arguments import (
     ArgumentParser,
     add_config_arguments,
     check_fields,
     config_from_args,
     run_command,
 )
-from ee_transformers.tools.assets.text import CALIBRATION_REGIONS, FIT_REGIONS, text_slice
+from ee_transformers.utils.generation import generate_kwargs
 
 __all__ = [
     "HELIOS_CLAIM",
@@ -282,7 +283,7 @@ def configurations(models, plain, pool, exit_kwargs, pool_kwargs):
 
     def ee(model):
         def run(ids, config):
-            out = model.generate(ids, generation_config=config, **exit_kwargs)
+            out = model.generate(ids, **generate_kwargs(model, config, **exit_kwargs))
             return out.sequences[:, ids.shape[1] :], out.exit_layers, None, 0.0
 
         return run
@@ -309,9 +310,9 @@ def run_workload(configs, prompts, config, repeats, eos_ids, num_layers, plain=N
     """Every configuration on every prompt, interleaved (the order rotates per prompt and repeat). Returns per
     configuration: seconds and tokens per domain, identical-token share with full depth and tokens to the first
     divergence, exit layers, pool switches; with `plain` (the full-depth model) also per-token agreement and the full
-    model's perplexity of the continuation (`ee_transformers.tools.quality`)."""
-    from ee_transformers.tools.bench.timing import agreement
-    from ee_transformers.tools.quality import full_model_view, summarise_views
+    model's perplexity of the continuation (`ee_transformers.measure.quality`)."""
+    from ee_transformers.measure.quality import full_model_view, summarise_views
+    from ee_transformers.measure.timing import agreement
 
     names = list(configs)
     results = {
@@ -501,10 +502,10 @@ def _domain_models(out, reuse, config: PoolConfig):
 def _mixed_workload(models, config: PoolConfig):
     """`run_workload` of full depth, each model alone and their pool on the mixed held-out prompts, after a
     warm-up."""
+    from ee_transformers.measure.quality import eos_token_ids
+    from ee_transformers.measure.timing import greedy_generation_config, without_eos
     from ee_transformers.pool_early_exit import EarlyExitPool
     from ee_transformers.tools.bench.loading import heldout_prompts, plain_twin
-    from ee_transformers.tools.bench.timing import greedy_generation_config, without_eos
-    from ee_transformers.tools.quality import eos_token_ids
 
     first = next(iter(models.values()))
     plain = plain_twin(first)

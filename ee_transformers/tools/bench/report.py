@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 
 from ee_transformers.generation_early_exit import ExitCriterion
-from ee_transformers.tools.plotting import pyplot, pyplot_or_skip
-from ee_transformers.tools.quality import EXPLAINER
+from ee_transformers.measure.quality import EXPLAINER
+from ee_transformers.utils.plotting import pyplot, pyplot_or_skip
 
 TARGETS = {
     "calibrated_min_speedup": 0.98,

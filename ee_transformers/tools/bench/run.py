@@ -8,13 +8,13 @@ from datetime import datetime, timezone
 import torch
 import transformers
 
-from ee_transformers.tools.bench.config import BenchConfig, Variant
-from ee_transformers.tools.bench.forced import FORCED_GRID, FORCED_MODES, FORCED_PROFILES
-from ee_transformers.tools.bench.loading import make_batches
+from ee_transformers.measure.config import BenchConfig, Variant
+from ee_transformers.measure.costs import measure_costs
+from ee_transformers.measure.forced import FORCED_GRID, FORCED_MODES, FORCED_PROFILES
+from ee_transformers.measure.loading import make_batches
+from ee_transformers.measure.timing import _generate_kwargs, _settings, compare_many
 from ee_transformers.tools.bench.report import evaluate_targets
 from ee_transformers.tools.bench.step_profile import profile_step
-from ee_transformers.tools.bench.timing import _generate_kwargs, _settings, compare_many
-from ee_transformers.tools.costs import measure_costs
 
 SWEEP_FULL = {
     "max_prob": [0.5, 0.7, 0.9, 0.97],

@@ -39,7 +39,9 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from ee_transformers.tools.arguments import (
+from ee_transformers.measure.timing import greedy_generation_config, only_these_drafts, without_eos
+from ee_transformers.tools.bench.loading import heldout_prompts, load_models, make_batches, plain_twin, random_prompts
+from ee_transformers.utils.arguments import (
     ArgumentParser,
     add_config_arguments,
     check_fields,
@@ -47,8 +49,7 @@ from ee_transformers.tools.arguments import (
     config_from_args,
     run_command,
 )
-from ee_transformers.tools.bench.loading import heldout_prompts, load_models, make_batches, plain_twin, random_prompts
-from ee_transformers.tools.bench.timing import greedy_generation_config, only_these_drafts, without_eos
+from ee_transformers.utils.generation import generate_kwargs
 
 __all__ = [
     "TARGET_REALISED_OVER_IDEAL",
@@ -296,7 +297,9 @@ def _ours(model, batch, config, new_tokens):
         assistant_confidence_threshold=config["threshold"],
     )
     settings = only_these_drafts(settings)  # a folder's stored context drafts do not join in
-    return lambda: model.generate(ids, attention_mask=mask, generation_config=_greedy(model, new_tokens), **settings)
+    return lambda: model.generate(
+        ids, attention_mask=mask, **generate_kwargs(model, _greedy(model, new_tokens), **settings)
+    )
 
 
 def _transformers(plain, batch, config, new_tokens):
@@ -313,12 +316,8 @@ def _transformers(plain, batch, config, new_tokens):
             assistant_confidence_threshold=config["threshold"],
         )
         try:
-            return plain.generate(
-                ids,
-                attention_mask=mask,
-                generation_config=_greedy(plain, new_tokens),
-                assistant_early_exit=config["exit_layer"] + 1,
-            )
+            settings = generate_kwargs(plain, _greedy(plain, new_tokens), assistant_early_exit=config["exit_layer"] + 1)
+            return plain.generate(ids, attention_mask=mask, **settings)
         finally:
             plain.generation_config = stored
 

@@ -6,8 +6,8 @@ from collections import defaultdict
 
 import torch
 
+from ee_transformers.measure.timing import _decode_ms, _timed_generate
 from ee_transformers.modeling_early_exit import EarlyExitMixin
-from ee_transformers.tools.bench.timing import _decode_ms, _timed_generate
 
 PROFILE_LABELS = {
     "ee::layer": "layers",
