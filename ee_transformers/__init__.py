@@ -22,6 +22,7 @@ from .measure.profile import ExitProfile, profile_exits
 from .modeling_early_exit import *  # noqa: F403  (EarlyExit<Family>ForCausalLM / EarlyExit<Family>Model)
 from .modeling_early_exit import FAMILIES, EarlyExitMixin
 from .paged_early_exit import PagedTrace, record_paged_exits
+from .paged_speculative import DraftTrace, record_paged_drafts
 from .pool_early_exit import EarlyExitPool, GenerateEarlyExitPoolOutput
 from .speculative_early_exit import GenerateSpeculativeOutput
 from .utils.model_card import write_model_card
@@ -41,6 +42,7 @@ __all__ = [
     "EXIT_CRITERIA",
     "EarlyExitCache",
     "EarlyExitPool",
+    "DraftTrace",
     "ExitCriterion",
     "ExitProfile",
     "ExitSettings",
@@ -55,6 +57,7 @@ __all__ = [
     "memory_report",
     "model_class_for",
     "profile_exits",
+    "record_paged_drafts",
     "record_paged_exits",
     "register_exit_criterion",
     "write_model_card",

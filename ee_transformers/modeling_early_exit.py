@@ -75,6 +75,7 @@ from .families import (
 from .generation_early_exit import early_exit_generate
 from .lean_early_exit import deepen, set_exit_max_layer, shed_layers
 from .paged_early_exit import check_paged_exits, is_paged, loaded_layers_config, paged_step
+from .paged_speculative import DRAFT_FIELD, attach_paged_drafts, check_paged_drafts, paged_draft_settings
 from .request import (
     EXIT_ARGUMENTS,
     EXIT_FIELDS,
@@ -86,6 +87,7 @@ from .request import (
     merged_exit_values,
     resolve_exit_settings,
     resolve_request,
+    speculation_requested,
     stored_draft_settings,
 )
 from .speculative_early_exit import speculative_generate
@@ -493,20 +495,30 @@ class EarlyExitMixin(ExitHeadsMixin):
     def init_continuous_batching(self, generation_config=None, continuous_batching_config=None, workload_hints=None):
         """transformers' continuous batching (`generate_batch`, `transformers serve --continuous-batching`) with
         early exit: each step runs through `paged_step` with the exit settings of `generation_config` over the
-        stored ones (`paged_early_exit.py`). The settings hold for this model's continuous batching until the next
-        call; what the paged path cannot honour raises here."""
+        stored ones (`paged_early_exit.py`); or, with `prompt_lookup_num_tokens` (passed or stored), lossless drafts
+        verified inside each step at full depth (`paged_speculative.py`). The settings hold for this model's
+        continuous batching until the next call; what the paged path cannot honour raises here."""
         settings = self.exit_settings_for(generation_config)
         cb_config = continuous_batching_config or ContinuousBatchingConfig()
+        # `prompt_lookup_num_tokens`: drafts verified in the paged step (`paged_speculative.py`), at full depth
+        drafts = paged_draft_settings(self, generation_config)
+        if drafts is not None and speculation_requested(self, generation_config, {}):
+            settings, cb_config = None, check_paged_drafts(self, generation_config, cb_config)
+        else:
+            drafts = None
         if settings is not None:
             cb_config = check_paged_exits(self, settings, generation_config, cb_config)
-        drafts = stored_draft_settings(self, generation_config, {})
-        if drafts:
+        unused = [n for n in stored_draft_settings(self, generation_config, {}) if drafts is None or n != DRAFT_FIELD]
+        if unused:
             logger.warning_once(
-                f"Continuous batching decodes one token per request and step: the draft settings {drafts} are not "
-                "used there (they are lossless, so the text is the same; only their speed-up is lost)."
+                f"Continuous batching does not use the stored draft settings {unused} here (it verifies context "
+                f"drafts, `{DRAFT_FIELD}`, unless the call asks for exits; they are lossless, so the text is the "
+                "same; only their speed-up is lost)."
             )
         self._cb_exit_settings = settings
         manager = super().init_continuous_batching(generation_config, cb_config, workload_hints)
+        if drafts is not None:
+            attach_paged_drafts(self, manager, drafts)
         if is_lean(self) and manager.batch_processor is None:  # size the paged cache for the loaded layers only
             with loaded_layers_config(self):
                 manager.warmup()

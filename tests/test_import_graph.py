@@ -36,13 +36,16 @@ RUNTIME = {
         "lean_early_exit",
         "modeling_early_exit",
         "paged_early_exit",
+        "paged_speculative",
         "pool_early_exit",
         "request",
         "speculative_early_exit",
     )
 }
 # the runtime's decoding modes: each sits on the decode core beside the others, none imports another
-MODES = {f"{PACKAGE}.{name}_early_exit" for name in ("generation", "speculative", "paged", "lean", "pool")}
+MODES = {f"{PACKAGE}.{name}_early_exit" for name in ("generation", "speculative", "paged", "lean", "pool")} | {
+    f"{PACKAGE}.paged_speculative"
+}
 
 # (module or subpackage, rank, layer): the one table of layers; a module's entry is the longest prefix that names it
 LAYERS = [
