@@ -57,8 +57,12 @@ def test_precedence_kwargs_over_passed_config_over_model_config(base_dirs):
     # the user pattern transformers 5.24 deprecates (a config together with generation kwargs): the suite's filters
     # make its warning an error (so no test and no code of the package uses it), and it still works, with the warning
     ids, mask = padded_batch()
+    import logging
+
+    logging.Logger.warning_once.cache_clear()  # transformers logs it once per process: an earlier test may have
     with pytest.raises(FutureWarning, match="together with generation-related"):  # the suite's filters: an error
         model.generate(ids, attention_mask=mask, generation_config=passed, max_new_tokens=4, do_sample=False)
+    logging.Logger.warning_once.cache_clear()
     with pytest.warns(FutureWarning, match="Passing `generation_config` together with generation-related"):
         out = model.generate(ids, attention_mask=mask, generation_config=passed, max_new_tokens=4, do_sample=False)
     assert out.shape[1] == ids.shape[1] + 4  # the kwarg won
