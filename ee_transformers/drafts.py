@@ -37,6 +37,7 @@ adding the drafts with the highest probability first.
 Part of the Hub runtime: imports only torch.
 """
 
+import bisect
 import os
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -51,7 +52,6 @@ MARGIN = 1.03  # drafting must beat a plain step's expected tokens per second by
 PRIOR_SLOPE = 0.1  # unmeasured widths: +10% cost per extra position
 SAMPLES = 9  # timings kept per width (the median is used)
 TRUSTED = 3  # timings after which a width's median alone is its cost
-SOURCES = ("context", "history", "table")
 
 
 @dataclass
@@ -184,8 +184,10 @@ class SuffixIndex:
             found = self.where.get(tuple(suffix[len(suffix) - g :]))
             if not found:
                 continue
-            while found and found[0] <= base:  # evicted
-                found.pop(0)
+            if found[0] <= base:  # the oldest positions were evicted (positions increase)
+                del found[: bisect.bisect_right(found, base)]
+                if not found:
+                    continue
             # continued by a token of the same document (the row's own tail is not a match of itself)
             after = [p - base for p in found[-MAX_OCCURRENCES:] if p - base < len(store) and store[p - base] >= 0]
             if not after:
@@ -277,10 +279,8 @@ class Drafter:
         key = (keys.data_ptr(), keys.numel(), keys._version)
         if key == self._table_key:
             return
-        v, table = vocab_size, {}
-        for k, n in zip(keys.tolist(), following.tolist()):
-            table[k] = n  # pair a * V + b, single token V * V + b
-        self.table, self._table_key, self._vocab = table, key, v
+        # keys: a pair (a, b) is a * V + b, a single token b is V * V + b
+        self.table, self._table_key, self._vocab = dict(zip(keys.tolist(), following.tolist())), key, vocab_size
 
     def table_chain(self, suffix: Sequence[int], max_drafts: int) -> Chain | None:
         if not self.table or max_drafts <= 0 or not suffix:

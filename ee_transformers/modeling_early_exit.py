@@ -75,7 +75,7 @@ from .families import (
 from .generation_early_exit import early_exit_generate
 from .lean_early_exit import deepen, set_exit_max_layer, shed_layers
 from .paged_early_exit import check_paged_exits, is_paged, loaded_layers_config, paged_step
-from .paged_speculative import DRAFT_FIELD, attach_paged_drafts, check_paged_drafts, paged_draft_settings
+from .paged_speculative import DRAFT_FIELD, attach_paged_drafts, check_paged_drafts
 from .request import (
     EXIT_ARGUMENTS,
     EXIT_FIELDS,
@@ -85,6 +85,7 @@ from .request import (
     check_exit_argument,
     exit_settings_for,
     merged_exit_values,
+    paged_draft_settings,
     resolve_exit_settings,
     resolve_request,
     speculation_requested,

@@ -66,79 +66,12 @@ from transformers.generation.continuous_batching.cache_allocators import (
 from transformers.generation.continuous_batching.requests import RequestStatus
 from transformers.utils import logging
 
-from .drafts import DEFAULT_HISTORY_TOKENS, MAX_MATCH, SuffixIndex, plan_packed
+from .drafts import MAX_MATCH, SuffixIndex, plan_packed
+from .request import PagedDraftSettings
 
 logger = logging.get_logger(__name__)
 
 DRAFT_FIELD = "prompt_lookup_num_tokens"  # transformers' field: the most drafts per request and step
-NGRAM_FIELD = "max_matching_ngram_size"  # transformers' field: the longest n-gram matched in the request's text
-TABLE_FIELD = "speculative_table_drafts"  # ours: requests without a match also draft from the stored table
-HISTORY_FIELD = "speculative_history_tokens"  # ours: the history index's token budget (0: no history drafts)
-GATE_FIELD = "speculative_gate"  # ours: False drafts every step, even where the plan expects no gain
-# ours, for generate's padded / exit-head rounds and its batch size: a packed step's budget is `plan_packed`'s
-NOT_PACKED = ("speculative_verify_width", "assistant_vocab_size", "speculative_max_batch_size")
-
-
-@dataclass(frozen=True)
-class PagedDraftSettings:
-    """max_drafts: K, the most drafts per request and step; ngram_size: the longest n-gram matched in a request's own
-    text; table: draft from the model's stored table where nothing else matches; history: the budget (tokens) of the
-    history index of earlier generations (0: off); gate: choose the drafts with `plan_packed` (False: up to K)."""
-
-    max_drafts: int
-    ngram_size: int = 2  # transformers' prompt-lookup default
-    table: bool = False
-    history: int = DEFAULT_HISTORY_TOKENS
-    gate: bool = True
-
-
-def _setting(name, model, generation_config):
-    for config in (generation_config, getattr(model, "generation_config", None)):
-        value = getattr(config, name, None)
-        if value is not None:
-            return value
-    return None
-
-
-def _is_count(value, least):
-    return not isinstance(value, bool) and isinstance(value, int) and value >= least
-
-
-def paged_draft_settings(model, generation_config=None) -> PagedDraftSettings | None:
-    """The draft settings continuous batching uses (each from `generation_config`, else `model.generation_config`),
-    None when `prompt_lookup_num_tokens` is unset. Raises a `ValueError` naming a bad setting."""
-    get = lambda name: _setting(name, model, generation_config)  # noqa: E731
-    k, n, table, history, gate = (get(f) for f in (DRAFT_FIELD, NGRAM_FIELD, TABLE_FIELD, HISTORY_FIELD, GATE_FIELD))
-    if k is None:
-        return None
-    if not _is_count(k, 1):
-        raise ValueError(f"`{DRAFT_FIELD}` must be an integer >= 1 or None, got {k!r}.")
-    if n is not None and not _is_count(n, 1):
-        raise ValueError(f"`{NGRAM_FIELD}` must be an integer >= 1 or None, got {n!r}.")
-    if table is not None and not isinstance(table, bool):
-        raise ValueError(f"`{TABLE_FIELD}` must be True, False or None, got {table!r}.")
-    if table and not getattr(model.config, "draft_table_size", 0):
-        raise ValueError(
-            f"`{TABLE_FIELD}=True` needs a draft table stored in the model (`config.draft_table_size`), which has "
-            "none: store one with `model.set_draft_table(blocks)`."
-        )
-    if history is not None and not _is_count(history, 0):
-        raise ValueError(f"`{HISTORY_FIELD}` must be an integer >= 0 (0: no history drafts) or None, got {history!r}.")
-    if gate is not None and not isinstance(gate, bool):
-        raise ValueError(f"`{GATE_FIELD}` must be True, False or None, got {gate!r}.")
-    unused = [f for f in NOT_PACKED if get(f) is not None]
-    if unused:
-        logger.warning_once(
-            f"Continuous batching packs copied drafts without padding and plans them per step: {unused} do not "
-            "apply there and are not used."
-        )
-    return PagedDraftSettings(
-        k,
-        2 if n is None else n,
-        bool(table),
-        DEFAULT_HISTORY_TOKENS if history is None else history,
-        True if gate is None else gate,
-    )
 
 
 def check_paged_drafts(model, generation_config, cb_config):

@@ -559,6 +559,55 @@ def resolve_speculative_settings(
     return settings
 
 
+# ours, for generate's padded / exit-head rounds and its batch size: a packed step's budget is `plan_packed`'s
+NOT_PACKED = (WIDTH_FIELD, VOCAB_FIELD, MAX_BATCH_FIELD)
+
+
+@dataclass(frozen=True)
+class PagedDraftSettings:
+    """Drafts in continuous batching (`paged_speculative.py`). max_drafts: K, the most drafts per request and step;
+    ngram_size: the longest n-gram matched in a request's own text; table: draft from the model's stored table where
+    nothing else matches; history: the budget (tokens) of the history index of earlier generations (0: off); gate:
+    choose the drafts with `plan_packed` (False: up to K)."""
+
+    max_drafts: int
+    ngram_size: int = 2  # transformers' prompt-lookup default
+    table: bool = False
+    history: int = DEFAULT_HISTORY_TOKENS
+    gate: bool = True
+
+
+def paged_draft_settings(model, generation_config=None) -> PagedDraftSettings | None:
+    """The draft settings continuous batching uses (each from `generation_config`, else `model.generation_config`),
+    None when `prompt_lookup_num_tokens` is unset; validated by the same rules as `generate`'s."""
+
+    def get(name):
+        return _requested(name, model, generation_config, {})
+
+    lookup = get("prompt_lookup_num_tokens")
+    if lookup is None:
+        return None
+    for name, value in (
+        ("prompt_lookup_num_tokens", lookup),
+        ("max_matching_ngram_size", get("max_matching_ngram_size")),
+    ):
+        if value is not None and (not _is_int(value) or value < 1):
+            raise ValueError(f"`{name}` must be an integer >= 1 or None, got {value!r}.")
+    unused = [name for name in NOT_PACKED if get(name) is not None]
+    if unused:
+        logger.warning_once(
+            f"Continuous batching packs copied drafts without padding and plans them per step: {unused} do not "
+            "apply there and are not used."
+        )
+    return PagedDraftSettings(
+        lookup,
+        get("max_matching_ngram_size") or 2,
+        _resolve_table(model, get(TABLE_FIELD), lookup),
+        _resolve_history(get(HISTORY_FIELD), lookup),
+        _resolve_gate(get(GATE_FIELD)),
+    )
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # the request
 # ---------------------------------------------------------------------------------------------------------------------
@@ -669,6 +718,7 @@ __all__ = [
     "LEAN_FIELDS",
     "MAX_BATCH_FIELD",
     "MODES",
+    "NOT_PACKED",
     "OUR_FIELDS",
     "SCHEDULES",
     "TABLE_FIELD",
@@ -676,6 +726,7 @@ __all__ = [
     "WIDTH_FIELD",
     "ExitSettings",
     "GenerationRequest",
+    "PagedDraftSettings",
     "SpeculativeSettings",
     "check_exit_argument",
     "check_lean_argument",
@@ -683,6 +734,7 @@ __all__ = [
     "keeps_exit_states",
     "merged_exit_values",
     "our_speculative_arguments",
+    "paged_draft_settings",
     "refuse_with_exits",
     "resolve_exit_settings",
     "resolve_guard",

@@ -325,10 +325,6 @@ def copied_drafts(model, settings, texts, budget):
     """Each row's best chain of copied drafts (`Drafter.propose`: its own text, the history, the stored table),
     at most `budget[r]` tokens; None where no source offers one or the budget is 0."""
     drafter = model.drafter
-    if settings.table:
-        drafter.use_table(model.draft_table_keys, model.draft_table_next, model.config.vocab_size)
-    if settings.history:
-        drafter.history.resize(settings.history)
     return [
         drafter.propose(row, row.tail(MAX_MATCH), n, history=settings.history > 0, table=settings.table) if n else None
         for row, n in zip(texts.rows, budget.tolist())
@@ -598,11 +594,12 @@ def _plan(model, settings, batch, texts, active, budgets, capacity, cache):
     if settings.lookup_tokens:
         chains = copied_drafts(model, settings, texts, torch.minimum(budgets["context"], room))
     widest = max((len(c.tokens) for c in chains if c is not None), default=0)
-    use_exit = settings.exit_layer is not None and any(c is None for c, a in zip(chains, active.tolist()) if a)
+    running = active.tolist()
+    use_exit = settings.exit_layer is not None and any(c is None for c, a in zip(chains, running) if a)
     k = widest
     if settings.gate and not use_exit and widest:
         rows = batch.live.numel()
-        pace = pace_setters(batch.length.tolist(), active.tolist())
+        pace = pace_setters(batch.length.tolist(), running)
         cost = lambda width: model.drafter.costs.cost(("context", rows, width))  # noqa: E731
         k = plan_padded([c.probs if c is not None else [] for c in chains], pace, cost)
     context, counts, table, history = _chain_tensors(chains, k, batch.tokens)
@@ -796,6 +793,10 @@ def speculative_generate(
     stats = _RoundStats(settings, input_ids.shape[0], loop.max_length - input_ids.shape[1], input_ids.device)
     capacity = _capacity(cache)
     texts = RowTexts(batch, settings.ngram_size) if settings.lookup_tokens else None
+    if settings.table:  # once per call: the table as the drafter's dict, the history at this call's budget
+        model.drafter.use_table(model.draft_table_keys, model.draft_table_next, model.config.vocab_size)
+    if settings.history:
+        model.drafter.history.resize(settings.history)
     while bool((active := batch.active).any()):
         start = time.perf_counter()
         if texts is not None:
@@ -818,7 +819,8 @@ def _learn(model, r, accepted, rows, seconds):
     drafter, k = model.drafter, r.drafts.shape[1]
     if r.start < 0:
         drafter.costs.observe(("context", rows, k + 1), seconds)
-    for chain, n, kept in zip(r.chains, r.context.tolist(), accepted.tolist()):
+    counts = torch.stack([r.context, accepted]).tolist()  # one transfer
+    for chain, n, kept in zip(r.chains, *counts):
         if chain is not None and n:
             drafter.observe(chain, kept, drafted=n)
 

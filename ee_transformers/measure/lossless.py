@@ -45,6 +45,30 @@ def _forwards(out, new_tokens):
     return len(rounds) if rounds is not None else new_tokens - 1
 
 
+def _count(outs, name):
+    return sum(int(getattr(o, name).sum()) for o in outs if getattr(o, name, None) is not None)
+
+
+def _result(row, batch_size, plain_times, times, outs, identical, new_tokens, runs_per_time=1, suffix=""):
+    """One row's figures from its paired timings and its outputs `outs` (every run's)."""
+    ratios = [p / t for p, t in zip(plain_times, times)]
+    return dict(
+        name=row["name"] + suffix,
+        who=row["who"],
+        batch_size=batch_size,
+        kwargs=row["kwargs"],
+        speedup=sum(plain_times) / sum(times),
+        median=statistics.median(ratios),
+        low=min(ratios),
+        high=max(ratios),
+        tokens_per_forward=(new_tokens - 1) / statistics.mean(_forwards(o, new_tokens) for o in outs),
+        identical=identical,
+        drafted=_count(outs, "draft_tokens"),
+        accepted=_count(outs, "accepted_tokens"),
+        plain_ms_per_token=1000 * statistics.mean(plain_times) / (new_tokens * runs_per_time),
+    )
+
+
 def measure_rows(ee, plain, batches, rows, generation_config, rounds, log=print) -> list[dict]:
     """Paired, interleaved timing of `rows` (see `lossless_rows`) against plain generate on `batches`; returns one
     result per row: speed-up (summed plain time / summed row time), median / min / max of the per-batch ratios,
@@ -55,7 +79,7 @@ def measure_rows(ee, plain, batches, rows, generation_config, rounds, log=print)
         reference[id(ids)] = _timed(plain, ids, mask, generation_config, {})[1].sequences
     for row in rows:  # warm-up of every row
         _timed(ee if row["who"] == "ours" else plain, *batches[0][:2], generation_config, row["kwargs"])
-    times, plain_times, forwards, drafted, accepted = ([[] for _ in rows] for _ in range(5))
+    times, plain_times, outs = ([[] for _ in rows] for _ in range(3))
     identical = [True] * len(rows)
     for round_ in range(rounds):
         order = list(range(len(rows)))[:: 1 if round_ % 2 == 0 else -1]
@@ -68,32 +92,13 @@ def measure_rows(ee, plain, batches, rows, generation_config, rounds, log=print)
                 times[i].append(seconds)
                 plain_times[i].append((before + after) / 2)
                 identical[i] &= torch.equal(out.sequences, reference[id(ids)])
-                forwards[i].append(_forwards(out, new_tokens))
-                drafted[i].append(int(out.draft_tokens.sum()) if getattr(out, "draft_tokens", None) is not None else 0)
-                accepted[i].append(int(out.accepted_tokens.sum()) if drafted[i][-1] else 0)
+                outs[i].append(out)
                 before = after
         log(f"  batch {batches[0][0].shape[0]}: round {round_ + 1}/{rounds} done")
-    results = []
-    for i, row in enumerate(rows):
-        ratios = [p / t for p, t in zip(plain_times[i], times[i])]
-        results.append(
-            dict(
-                name=row["name"],
-                who=row["who"],
-                batch_size=int(batches[0][0].shape[0]),
-                kwargs=row["kwargs"],
-                speedup=sum(plain_times[i]) / sum(times[i]),
-                median=statistics.median(ratios),
-                low=min(ratios),
-                high=max(ratios),
-                tokens_per_forward=(new_tokens - 1) / statistics.mean(forwards[i]),
-                identical=identical[i],
-                drafted=sum(drafted[i]),
-                accepted=sum(accepted[i]),
-                plain_ms_per_token=1000 * statistics.mean(plain_times[i]) / new_tokens,
-            )
-        )
-    return results
+    size = int(batches[0][0].shape[0])
+    return [
+        _result(row, size, plain_times[i], times[i], outs[i], identical[i], new_tokens) for i, row in enumerate(rows)
+    ]
 
 
 def measure_workload(ee, plain, batches, rows, generation_config, rounds, log=print) -> list[dict]:
@@ -114,7 +119,6 @@ def measure_workload(ee, plain, batches, rows, generation_config, rounds, log=pr
     _, reference = run(plain, {})
     for row in rows:  # warm-up
         run(ee if row["who"] == "ours" else plain, row["kwargs"])
-    results = []
     times, plain_times, stats = ([[] for _ in rows] for _ in range(3))
     identical = [True] * len(rows)
     for round_ in range(rounds):
@@ -128,28 +132,9 @@ def measure_workload(ee, plain, batches, rows, generation_config, rounds, log=pr
             identical[i] &= all(torch.equal(o.sequences, r.sequences) for o, r in zip(outs, reference))
             stats[i] += outs
         log(f"  repeated workload: round {round_ + 1}/{rounds} done")
-    for i, row in enumerate(rows):
-        ratios = [p / t for p, t in zip(plain_times[i], times[i])]
-        drafted = sum(int(o.draft_tokens.sum()) for o in stats[i] if getattr(o, "draft_tokens", None) is not None)
-        accepted = sum(
-            int(o.accepted_tokens.sum()) for o in stats[i] if getattr(o, "accepted_tokens", None) is not None
-        )
-        forwards = [_forwards(o, new_tokens) for o in stats[i]]
-        results.append(
-            dict(
-                name=row["name"] + ", repeated workload",
-                who=row["who"],
-                batch_size=int(batches[0][0].shape[0]),
-                kwargs=row["kwargs"],
-                speedup=sum(plain_times[i]) / sum(times[i]),
-                median=statistics.median(ratios),
-                low=min(ratios),
-                high=max(ratios),
-                tokens_per_forward=(new_tokens - 1) / statistics.mean(forwards),
-                identical=identical[i],
-                drafted=drafted,
-                accepted=accepted,
-                plain_ms_per_token=1000 * statistics.mean(plain_times[i]) / (new_tokens * len(batches)),
-            )
-        )
-    return results
+    size, runs = int(batches[0][0].shape[0]), len(batches)
+    suffix = ", repeated workload"
+    return [
+        _result(row, size, plain_times[i], times[i], stats[i], identical[i], new_tokens, runs, suffix)
+        for i, row in enumerate(rows)
+    ]
