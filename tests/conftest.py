@@ -5,7 +5,6 @@ config class, the plain model class, the config fields beyond `TINY`); it unpack
 """
 
 import logging
-import re
 import sys
 import warnings
 from typing import NamedTuple
@@ -42,45 +41,42 @@ torch.set_num_threads(1)
 # error. transformers reports some deprecated call patterns through its logger instead (e.g. "Passing
 # `generation_config` together with generation-related arguments is deprecated"), once per process: this handler
 # re-issues such a record as a FutureWarning whose origin is the code that made the call, so the same filters judge it
-# and `pytest.warns` can assert it; the fixture below re-arms `warning_once`. The origin: the caller of the innermost
-# `generate` the record came from, past torch's decorators and the runtime's own `generate` methods (which pass their
-# arguments on); a call transformers makes itself (its assistant's generate) is transformers', and explicit None
-# draft settings the runtime adds to a caller's config are the runtime's.
+# and `pytest.warns` can assert it; the fixture below re-arms `warning_once`. The origin: the first frame above the
+# innermost `generate` that is not a `generate` of transformers, a decorator (torch's, functools', transformers'), or
+# the runtime (`ee_transformers.<module>`, or a Hub folder's copy of it: its `generate` methods and decode paths pass a
+# caller's arguments on). So a test's or a library module's (`ee_transformers.tools`, `.measure`, `.training`,
+# `.utils`) call is blamed on itself, and a call transformers makes inside its own loop (its assistant's `generate`)
+# on transformers.
 WRAPPERS = {"torch", "functools", "contextlib"}
+LIBRARY = {"tools", "measure", "training", "utils", "convert"}
 
 
 def _module(frame) -> str:
     return frame.f_globals.get("__name__", "")
 
 
-def _is_wrapper(frame) -> bool:  # decorators around a `generate`: torch's no_grad, transformers' deprecation helpers
-    return _module(frame).split(".")[0] in WRAPPERS or _module(frame).startswith("transformers.utils.")
+def _passes_on(frame) -> bool:
+    """A frame between a caller and the `generate` that logged: a decorator, a `generate` of transformers (a runtime
+    method's `super().generate`), or the runtime."""
+    name = _module(frame)
+    parts = name.split(".")
+    runtime = parts[0] == "ee_transformers" and (len(parts) == 1 or (len(parts) == 2 and parts[1] not in LIBRARY))
+    runtime |= parts[0] == "transformers_modules"  # the runtime as a Hub folder's remote code
+    decorator = parts[0] in WRAPPERS or name.startswith("transformers.utils.")
+    return runtime or decorator or (name.startswith("transformers") and frame.f_code.co_name == "generate")
 
 
 def _caller_of_generate(frame):
-    """(the frame that called the innermost `generate` above `frame`, the innermost frame of this package on the
-    way), or (None, None) when no `generate` is on the stack."""
+    """(the frame that made the `generate` call that logged above `frame`, the innermost runtime frame on the way),
+    or (None, None) when no `generate` is on the stack."""
     while frame is not None and frame.f_code.co_name != "generate":
         frame = frame.f_back
     inner = None
-    while frame is not None and (frame.f_code.co_name == "generate" or _is_wrapper(frame)):
+    while frame is not None and _passes_on(frame):
         if inner is None and _module(frame).startswith("ee_transformers"):
             inner = frame
-        if frame.f_code.co_name == "generate" and not _module(frame).startswith(("transformers", "ee_transformers")):
-            break  # a `generate` of some other code (a test's own) is a caller like any other
         frame = frame.f_back
     return frame, inner
-
-
-def _added_by_the_runtime(inner, message) -> bool:
-    """Whether the arguments transformers names are all stored draft settings that the runtime's `generate` turned
-    off itself, as explicit None kwargs next to the caller's config (then the runtime made the deprecated call)."""
-    names = re.findall(r"'(\w+)'", message.partition("arguments=(")[2].partition(")")[0])
-    if inner is None or inner.f_code.co_name != "generate" or not names:
-        return False
-    kwargs, model = inner.f_locals.get("kwargs") or {}, inner.f_locals.get("self")
-    stored = getattr(model, "generation_config", None)
-    return all(n in kwargs and kwargs[n] is None and getattr(stored, n, None) is not None for n in names)
 
 
 class DeprecationLogToWarning(logging.Handler):
@@ -89,8 +85,6 @@ class DeprecationLogToWarning(logging.Handler):
         if "deprecated" not in message:
             return
         frame, inner = _caller_of_generate(sys._getframe(1))
-        if _added_by_the_runtime(inner, message):
-            frame = inner
         if frame is None:  # not about a generate call: the first frame outside transformers and logging
             frame = sys._getframe(1)
             while frame.f_back is not None and _module(frame).split(".")[0] in {"transformers", "logging", __name__}:

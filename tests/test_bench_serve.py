@@ -76,3 +76,21 @@ def test_bench_serve_config_names_bad_fields():
         ServeBenchConfig(prompt_domain="news")
     with pytest.raises(ValueError, match="exit_settings"):
         ServeBenchConfig(exit_settings="{")
+
+
+def test_table_from_serves_a_copy_with_the_table_of_that_text(tmp_path):
+    """`--table-from FILE`: the served copy's draft table is counted on that text (so the drafts of a run meet text
+    the table was not built from); the folder itself is left as it was."""
+    import ee_transformers as eet
+    from ee_transformers.tools.bench.serve import folder_with_table
+
+    _, folder = served_folders(tmp_path)
+    before = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(f"w{2 + i % 7}" for i in range(400)))  # words of the numbered tokenizer
+    copy = folder_with_table(str(folder), str(text), tmp_path / "out")
+    assert {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()} == before
+    original = eet.from_base(folder)
+    served = eet.from_base(copy)
+    assert not original.config.draft_table_size and served.config.draft_table_size > 0
+    assert served.generation_config.exit_check_layers == original.generation_config.exit_check_layers

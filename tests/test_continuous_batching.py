@@ -1,6 +1,7 @@
 """Early exit inside transformers' continuous batching (`generate_batch`, `init_continuous_batching`): exactness
 against `generate` per prompt, layer calls really cut, the paged cache filled, refusals instead of silent full depth."""
 
+import copy
 import time
 from collections import Counter
 
@@ -36,8 +37,10 @@ def config(**settings):
 def alone(model, gc, prompts=PROMPTS):
     """`generate` for each prompt alone: new tokens per prompt, and the sorted (position, input, exit) triples."""
     tokens, triples = [], []
+    gc = copy.deepcopy(gc)
+    gc.return_dict_in_generate = True  # in the config, not beside it (transformers deprecates mixing the two)
     for p in prompts:
-        out = model.generate(torch.tensor([p]), generation_config=gc, return_dict_in_generate=True)
+        out = model.generate(torch.tensor([p]), generation_config=gc)
         seq = out.sequences[0].tolist()
         tokens.append(seq[len(p) :])
         layers = out.exit_layers[0].tolist()

@@ -55,14 +55,15 @@ def test_precedence_kwargs_over_passed_config_over_model_config(base_dirs):
     assert (decode(model, generation_config=passed) == 1).all()
     assert (decode(model, generation_config=passed, exit_check_layers=[0]) == 0).all()  # ... and kwargs beat both
     # the user pattern transformers 5.24 deprecates (a config together with generation kwargs) still works, with
-    # transformers' warning
+    # transformers' warning, blamed on the call that made it (this line), not on the runtime it passes through
     ids, mask = padded_batch()
     import logging
 
     logging.Logger.warning_once.cache_clear()
-    with pytest.warns(FutureWarning, match="Passing `generation_config` together with generation-related"):
+    with pytest.warns(FutureWarning, match="Passing `generation_config` together with generation-related") as caught:
         out = model.generate(ids, attention_mask=mask, generation_config=passed, max_new_tokens=4, do_sample=False)
     assert out.shape[1] == ids.shape[1] + 4  # the kwarg won
+    assert [w.filename for w in caught if "generation-related" in str(w.message)] == [__file__]
     assert (decode(model, early_exit=False) == 3).all()
 
 

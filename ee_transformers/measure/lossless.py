@@ -74,9 +74,8 @@ def measure_rows(ee, plain, batches, rows, generation_config, rounds, log=print)
     result per row: speed-up (summed plain time / summed row time), median / min / max of the per-batch ratios,
     full-depth forwards per token, and whether every output equalled plain greedy's."""
     new_tokens = generation_config.max_new_tokens
-    reference = {}
-    for ids, mask, _ in batches:  # warm-up, and the reference output
-        reference[id(ids)] = _timed(plain, ids, mask, generation_config, {})[1].sequences
+    reference = {}  # a batch's full-depth output: its first paired plain run's
+    _timed(plain, *batches[0][:2], generation_config, {})  # warm-up
     for row in rows:  # warm-up of every row
         _timed(ee if row["who"] == "ours" else plain, *batches[0][:2], generation_config, row["kwargs"])
     times, plain_times, outs = ([[] for _ in rows] for _ in range(3))
@@ -84,7 +83,8 @@ def measure_rows(ee, plain, batches, rows, generation_config, rounds, log=print)
     for round_ in range(rounds):
         order = list(range(len(rows)))[:: 1 if round_ % 2 == 0 else -1]
         for ids, mask, _ in batches:
-            before, _ = _timed(plain, ids, mask, generation_config, {})
+            before, first = _timed(plain, ids, mask, generation_config, {})
+            reference.setdefault(id(ids), first.sequences)
             for i in order:
                 model = ee if rows[i]["who"] == "ours" else plain
                 seconds, out = _timed(model, ids, mask, generation_config, rows[i]["kwargs"])

@@ -101,7 +101,7 @@ def build_parser():
     parser.add_argument("--adapter-rank", type=int, default=64)
     # fewer steps than the 200 of earlier versions (and 100 confidence steps, not 150; 40 per pool model, not 60):
     # the main job stays under 15 minutes on two cores (issue 29); the screen measures what they give
-    parser.add_argument("--steps", type=int, default=120, help="fitting steps (2 blocks of 256 tokens each)")
+    parser.add_argument("--steps", type=int, default=100, help="fitting steps (2 blocks of 256 tokens each)")
     parser.add_argument(
         "--criterion",
         default="learned",
@@ -112,7 +112,7 @@ def build_parser():
     parser.add_argument(
         "--confidence-steps",
         type=int,
-        default=100,
+        default=50,
         help="steps of the learned-confidence stage (0: skip it; then --criterion must not be learned)",
     )
     parser.add_argument("--target-agreement", type=float, default=0.9)
@@ -123,7 +123,7 @@ def build_parser():
     parser.add_argument(
         "--pool-steps",
         type=int,
-        default=40,
+        default=20,
         help="fitting steps of each of the pool's two single-domain models (0: leave the pool out)",
     )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -303,7 +303,7 @@ def _calibrate_lossless(model, plain, calibration_texts, args):
     print("== 4'. lossless calibration: context (and table) drafts timed against full depth (calibration prompts)")
     config = lossless.LosslessCalibrationConfig(
         batch_sizes=list(args.batch_sizes),
-        lookup_tokens=[2] if args.quick else [2, 4, 7],  # 7: 8 positions, cheaper than 3 on some CPUs
+        lookup_tokens=[7],  # the most drafts a round verifies: the gate picks fewer per row and round
         ngram_sizes=[3],
         num_prompts=min(args.prompts, 4),
         new_tokens=args.new_tokens,
@@ -428,7 +428,7 @@ def _calibrate(args, model, novels, python_docs):
         "speed measured against full depth)"
     )
     calibration_texts = _calibration_texts(novels, python_docs, args.max_chars)
-    calibration_blocks = tokenize_blocks(calibration_texts, model.tokenizer, 256)[: 16 if args.quick else 48]
+    calibration_blocks = tokenize_blocks(calibration_texts, model.tokenizer, 256)[: 16 if args.quick else 32]
     # row policy by default: at batch 8 a batch-wide exit would need all eight rows confident at once
     batch_sizes = list(args.batch_sizes)
     report = calibrate(
@@ -445,7 +445,7 @@ def _calibrate(args, model, novels, python_docs):
             speed_batch_sizes=batch_sizes,
             speed_new_tokens=min(args.new_tokens, 32),
             speed_repeats=2,  # 8 interleaved pairs per setting and batch size (4 prompts x 2 rounds)
-            speed_candidates=2,
+            speed_candidates=1,  # the predicted best setting, timed (the main job's 15-minute budget)
             decode_batch_size=batch_sizes[0],
         ),
     )

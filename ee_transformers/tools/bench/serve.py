@@ -21,11 +21,14 @@ workload runs:
 * `edits`: C documents (held-out passages), each edited `turns` times: every turn sends the conversation so far and
   asks for the whole document back with one more word replaced.
 
-Prompts come from `prompt_domain`: by default the Python manual's held-out tail, a domain the folder's heads and
-table were not fitted on (they are fitted on Austen novels). A row reports tokens/s (generated tokens over the wall
-time of the level), p50 / p95 request latency, the server's resident memory (RSS after the level) and how many
-answers equal plain's answer to the same request (its prompt, or its conversation and turn). Every greedy request of
-a lossless server (plain, stored) must answer plain's text: the run fails (exit code 1) if one does not.
+Prompts come from `prompt_domain`: by default the Python manual's held-out tail. The main job fits heads and table on
+Austen novels and the manual's first half; `table_from` serves a copy of the folder whose draft table is rebuilt from
+other text (`--table-from austen` with Python prompts: drafts meet a domain the table was not built from).
+
+A row reports tokens/s (generated tokens over the wall time of the level), p50 / p95 request latency, the server's
+resident memory (RSS after the level) and how many answers equal plain's answer to the same request (its prompt, or
+its conversation and turn). Every greedy request of a lossless server (plain, stored) must answer plain's text: the
+run fails (exit code 1) if one does not.
 
     ee-transformers bench-serve --model runs/smollm2-135m-ee --base ~/.cache/ee-transformers/smollm2-135m-instruct
 
@@ -114,6 +117,13 @@ class ServeBenchConfig:
         default=True, metadata={"help": "fail the run when a lossless server answers other text than plain"}
     )
     seed: int = field(default=0, metadata={"help": "seed of the prompts"})
+    table_from: str | None = field(
+        default=None,
+        metadata={
+            "help": "serve a copy of the folder (in --out) whose draft table is rebuilt from this text: 'training', "
+            "'austen', 'python' or a text file (default: the folder's own table)"
+        },
+    )
 
     def __post_init__(self):
         check_fields(self)
@@ -445,16 +455,39 @@ def format_serve(rows, header=True, all_rows=None) -> str:
     return "\n".join(lines)
 
 
+def folder_with_table(model: str, source: str, out: Path) -> str:
+    """A copy of the early-exit folder `model` whose draft table is rebuilt from `source` (`store_table_from`),
+    written to `out/model-table-<source name>`; returns its path."""
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
+    from ee_transformers.convert import from_base  # noqa: PLC0415
+    from ee_transformers.tools.bench.lossless import store_table_from  # noqa: PLC0415
+    from ee_transformers.utils.outputs import OutputFolder  # noqa: PLC0415
+
+    target = OutputFolder(Path(out) / f"model-table-{Path(source).stem}", overwrite=True, argument="--table-from")
+    model_ = from_base(model).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    entries, tokens = store_table_from(model_, tokenizer, source)
+    print(f"bench-serve: draft table from {source}: {entries} entries from {tokens} tokens, in {target.path}")
+    with target.writing("bench-serve --table-from") as folder:
+        model_.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    return str(target.path)
+
+
 def _run(args):
     config = config_from_args(ServeBenchConfig, args)
     if not read_config(args.model, "--model").get("exit_layers"):
         raise InputError(f"`--model` {args.model!r} is not an early-exit folder (its config has no `exit_layers`).")
     read_config(args.base, "--base")
+    if config.table_from and not args.out:
+        raise InputError("`--table-from` writes a copy of the folder: pass `--out` too.")
+    model = folder_with_table(args.model, config.table_from, Path(args.out)) if config.table_from else args.model
     lossless = LOSSLESS
-    if stores_exits(args.model):
+    if stores_exits(model):
         lossless = ("plain",)
         print("bench-serve: the folder stores confident exits, so its `stored` server is lossy: text not checked")
-    report = run_serve_bench(args.model, args.base, config, out=Path(args.out) if args.out else None, lossless=lossless)
+    report = run_serve_bench(model, args.base, config, out=Path(args.out) if args.out else None, lossless=lossless)
     if config.check_text and report["mismatches"]:
         print("bench-serve: lossless servers answered other text than plain (or failed):", file=sys.stderr)
         for line in report["mismatches"]:
