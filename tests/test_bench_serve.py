@@ -94,3 +94,17 @@ def test_table_from_serves_a_copy_with_the_table_of_that_text(tmp_path):
     served = eet.from_base(copy)
     assert not original.config.draft_table_size and served.config.draft_table_size > 0
     assert served.generation_config.exit_check_layers == original.generation_config.exit_check_layers
+
+
+def test_no_level_sends_a_passage_an_earlier_level_sent():
+    """A server keeping a history of its answers would draft a repeated prompt's answer: every level of a run gets
+    passages of its own."""
+    from ee_transformers.tools.bench.serve import level_workloads
+
+    config = ServeBenchConfig(clients=[1, 4], workloads=["prompts", "chat", "edits"], requests=3, turns=2)
+    sizes = {("prompts", 1): 3, ("prompts", 4): 4, ("chat", 1): 2, ("chat", 4): 8, ("edits", 1): 1, ("edits", 4): 4}
+    passages = [f"passage {i}" for i in range(sum(sizes.values()))]
+    levels = level_workloads(config, passages, chat=True)
+    assert {k: len(w.passages) for k, w in levels.items()} == sizes
+    sent = [p for w in levels.values() for p in w.passages]
+    assert sorted(sent) == sorted(passages)  # each passage once in the whole run

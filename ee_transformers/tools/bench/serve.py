@@ -21,6 +21,8 @@ workload runs:
 * `edits`: C documents (held-out passages), each edited `turns` times: every turn sends the conversation so far and
   asks for the whole document back with one more word replaced.
 
+Every level (workload and clients) sends passages of its own, none that an earlier level sent: a server that
+keeps a history of its answers (the drafts' history index) would otherwise draft the answers it already gave.
 Prompts come from `prompt_domain`: by default the Python manual's held-out tail. The main job fits heads and table on
 Austen novels and the manual's first half; `table_from` serves a copy of the folder whose draft table is rebuilt from
 other text (`--table-from austen` with Python prompts: drafts meet a domain the table was not built from).
@@ -86,7 +88,15 @@ class ServeBenchConfig:
     )
     turns: int = field(default=4, metadata={"help": "turns of each `chat` conversation / `edits` document", "min": 1})
     new_tokens: int = field(default=64, metadata={"help": "greedy tokens per request", "min": 1})
-    num_prompts: int = field(default=32, metadata={"help": "held-out prompts, cycled", "min": 1})
+    num_prompts: int | None = field(
+        default=None,
+        metadata={
+            "help": "distinct held-out passages drawn (default: one for every passage the run sends, so no level "
+            "sends text an earlier level sent, whose answers a server with a history index would remember; fewer "
+            "are cycled)",
+            "min": 1,
+        },
+    )
     prompt_tokens: int = field(default=64, metadata={"help": "tokens per prompt (per user turn)", "min": 1})
     prompt_domain: str = field(
         default="python",
@@ -210,6 +220,11 @@ class Workload:
     def __init__(self, name: str, passages: list[str], config: ServeBenchConfig, chat: bool):
         self.name, self.passages, self.config, self.chat = name, passages, config, chat
 
+    def needs(self, clients: int) -> int:
+        """Passages one level of `clients` sends: a prompt each, a passage per chat turn, a document per client."""
+        n = {"prompts": max(self.config.requests, clients), "chat": clients * self.config.turns, "edits": clients}
+        return n[self.name]
+
     def sessions(self, clients: int) -> list[list[tuple]]:
         if self.name == "prompts":
             n = max(self.config.requests, clients)
@@ -299,8 +314,8 @@ def _level(server, model, workload: Workload, clients, config, bar):
     return wall, results
 
 
-def _held_out(tokenizer, config: ServeBenchConfig) -> list[str]:
-    """`num_prompts` held-out passages of `prompt_tokens` tokens from `prompt_domain`."""
+def _held_out(tokenizer, config: ServeBenchConfig, count: int) -> list[str]:
+    """`count` held-out passages of `prompt_tokens` tokens from `prompt_domain`."""
     from ee_transformers.tools.bench.loading import default_text_files, heldout_prompts  # noqa: PLC0415
 
     files = default_text_files()
@@ -310,10 +325,20 @@ def _held_out(tokenizer, config: ServeBenchConfig) -> list[str]:
         path, (lo, hi) = files[domain]
         text = Path(path).read_text(encoding="utf-8", errors="replace")
         texts[domain] = text[int(lo * len(text)) : int(hi * len(text))]
-    ids = heldout_prompts(
-        tokenizer, num_prompts=config.num_prompts, window=config.prompt_tokens, seed=config.seed, texts=texts
-    )
+    ids = heldout_prompts(tokenizer, num_prompts=count, window=config.prompt_tokens, seed=config.seed, texts=texts)
     return [tokenizer.decode(p["ids"]) for p in ids]
+
+
+def level_workloads(config: ServeBenchConfig, passages: list[str], chat: bool) -> dict:
+    """{(workload, clients): its `Workload`}, each level over the next passages in order (cycled when there are
+    fewer passages than the run sends)."""
+    levels, start = {}, 0
+    for name in config.workloads:
+        for c in config.clients:
+            n = Workload(name, [], config, chat).needs(c)
+            levels[name, c] = Workload(name, [passages[(start + i) % len(passages)] for i in range(n)], config, chat)
+            start += n
+    return levels
 
 
 def text_mismatches(rows, lossless=LOSSLESS) -> list[str]:
@@ -347,9 +372,16 @@ def run_serve_bench(
 
     log = log or (lambda line: print(line, flush=True))
     tokenizer = AutoTokenizer.from_pretrained(base)
-    passages = _held_out(tokenizer, config)
     chat = bool(getattr(tokenizer, "chat_template", None))
-    workloads = [Workload(name, passages, config, chat) for name in config.workloads]
+    # every (workload, clients) level its own passages, so a later level never sends what an earlier one did (a
+    # server keeping a history index would draft the answers it gave them); the last passage warms each server up
+    sends = sum(Workload(name, [], config, chat).needs(c) for name in config.workloads for c in config.clients)
+    drawn = _held_out(tokenizer, config, config.num_prompts or sends + 1)
+    warm_up, passages = drawn[-1], drawn[:-1] if len(drawn) > 1 else drawn
+    if len(passages) < sends:
+        log(f"note: {len(passages)} passages for {sends} sends: later levels repeat earlier levels' text")
+    levels = level_workloads(config, passages, chat)
+    workloads = config.workloads
     servers = [s for s in config.servers if not (s == "exits" and config.exit_settings is None)]
     servers = [s for s in servers if not (s == "lean" and config.exit_max_layer is None)]
     skipped = sorted(set(config.servers) - set(servers))
@@ -357,9 +389,9 @@ def run_serve_bench(
         log(f"skipped (no --exit-settings / --exit-max-layer given): {skipped}")
     logs = Path(out) if out is not None else Path.cwd()
     logs.mkdir(parents=True, exist_ok=True)
-    per_level = {w.name: [sum(len(s) for s in w.sessions(c)) for c in config.clients] for w in workloads}
-    total = len(servers) * len(config.modes) * sum(sum(v) for v in per_level.values())
-    rows, reference = [], {}  # reference: {(workload, key): plain's first answer}
+    per_level = [sum(len(s) for s in w.sessions(c)) for (_, c), w in levels.items()]
+    total = len(servers) * len(config.modes) * sum(per_level)
+    rows, reference = [], {}  # reference: {(workload, clients, key): plain's answer}
     with tqdm(total=total, desc="bench-serve", unit="request") as bar:
         for kind in servers:
             for mode in config.modes:
@@ -367,13 +399,13 @@ def run_serve_bench(
                 argv = _server_argv(kind, model, base, config, mode)
                 server = ServerProcess(argv, config.threads, logs / f"server-{kind}-{mode}.log")
                 try:
-                    _complete(openai_client(server), served, passages[0], 4)  # warm-up (loads the model, first batch)
-                    for workload in workloads:
+                    _complete(openai_client(server), served, warm_up, 4)  # warm-up (loads the model, first batch)
+                    for name in workloads:
                         for clients in config.clients:
-                            wall, results = _level(server, served, workload, clients, config, bar)
+                            wall, results = _level(server, served, levels[name, clients], clients, config, bar)
                             for key, _, text, _ in results:
-                                reference.setdefault((workload.name, key), text)
-                            row = _row(kind, mode, workload.name, clients, wall, results, reference, server.rss())
+                                reference.setdefault((name, clients, key), text)
+                            row = _row(kind, mode, name, clients, wall, results, reference, server.rss())
                             rows.append(row)
                             log(format_serve([row], header=len(rows) == 1, all_rows=rows))
                             if out is not None:
@@ -421,7 +453,7 @@ def _row(kind, mode, workload, clients, wall, results, reference, rss):
         "p50_s": round(statistics.median(latencies), 3),
         "p95_s": round(p95, 3),
         "rss_mb": round(rss / 2**20, 1),
-        "same_text": sum(text == reference[(workload, key)] for key, _, text, _ in results),
+        "same_text": sum(text == reference[(workload, clients, key)] for key, _, text, _ in results),
     }
 
 
