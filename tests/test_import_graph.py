@@ -39,6 +39,7 @@ RUNTIME = {
         "paged_speculative",
         "pool_early_exit",
         "request",
+        "settings",
         "speculative_batch",
         "speculative_early_exit",
     )
