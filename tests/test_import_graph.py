@@ -34,6 +34,7 @@ RUNTIME = {
         "families",
         "generation_early_exit",
         "lean_early_exit",
+        "model_mixins",
         "modeling_early_exit",
         "paged_early_exit",
         "paged_speculative",
