@@ -34,15 +34,19 @@ RUNTIME = {
         "families",
         "generation_early_exit",
         "lean_early_exit",
+        "model_mixins",
         "modeling_early_exit",
         "paged_early_exit",
         "paged_speculative",
         "pool_early_exit",
         "request",
+        "settings",
+        "speculative_batch",
         "speculative_early_exit",
     )
 }
 # the runtime's decoding modes: each sits on the decode core beside the others, none imports another
+# (speculative_batch, the speculative mode's ragged batch, is not listed: it imports no mode, and its importer is the mode)
 MODES = {f"{PACKAGE}.{name}_early_exit" for name in ("generation", "speculative", "paged", "lean", "pool")} | {
     f"{PACKAGE}.paged_speculative"
 }

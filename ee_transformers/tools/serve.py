@@ -36,357 +36,49 @@ What this adds to transformers' server, and nothing else:
 
 Sequential serving (no `--continuous-batching`) runs `model.generate`, so per-request settings work there. With
 `--continuous-batching`, exits run inside transformers' continuous batching (`paged_early_exit.py`).
+
+The paged cache's size is tools/serve_cache.py's, the checks of a request tools/serve_requests.py's; their names stay
+importable from here.
 """
 
 import argparse
 import asyncio
 import contextvars
 import json
-import math
-import re
 import sys
 import uuid
-from dataclasses import dataclass
 
-import torch
 import transformers
 
 from ee_transformers.convert import read_config
 from ee_transformers.generation_early_exit import EXIT_ARGUMENTS, resolve_exit_settings
 from ee_transformers.modeling_early_exit import FAMILIES
-from ee_transformers.speculative_early_exit import DRAFT_SOURCES, MAX_BATCH_FIELD, OUR_FIELDS, SCHEDULES
+from ee_transformers.speculative_early_exit import DRAFT_SOURCES, MAX_BATCH_FIELD
 from ee_transformers.tools.arguments import ArgumentParser, InputError
+from ee_transformers.tools.serve_cache import (  # the paged cache's size; importable from here as before
+    DEFAULT_CB_MEMORY,
+    DEFAULT_MAX_BATCH_TOKENS,
+    DEFAULT_MAX_REQUESTS,
+    CachePlan,
+    kv_bytes_per_token,  # noqa: F401 (importable from here as before)
+    model_max_length,
+    parse_bytes,
+    plan_paged_cache,
+    served_dtype,
+)
+from ee_transformers.tools.serve_requests import (  # requests checked before decoding; importable from here as before
+    DRAFT_ARGUMENTS,  # noqa: F401 (importable from here as before)
+    LENGTH_FIELDS,
+    RequestRefused,
+    exit_settings_error,  # noqa: F401 (importable from here as before)
+    length_error,
+    request_error,
+)
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 CACHE_ENDPOINT = "/v1/ee/cache"
-DRAFT_ARGUMENTS = (
-    *DRAFT_SOURCES,
-    MAX_BATCH_FIELD,
-    *OUR_FIELDS,
-    "max_matching_ngram_size",
-    "num_assistant_tokens",
-    "num_assistant_tokens_schedule",
-    "assistant_confidence_threshold",
-)
-DEFAULT_MAX_REQUESTS = 32
-DEFAULT_CB_MEMORY = 2**30
-# transformers' default of 8192 tokens per step makes an attention mask of 8192 x (cache tokens + 8192) that the first
-# step fills: 526 MiB resident for the tiny test folder's 8192-token cache. On a CPU a step of 1024 tokens costs about
-# what its tokens cost, so longer prefills are split in steps of 1024.
-DEFAULT_MAX_BATCH_TOKENS = 1024
-LENGTH_FIELDS = {  # per endpoint: the field of the prompt, the fields that set the completion length
-    "/v1/completions": ("prompt", ("max_tokens",)),
-    "/v1/chat/completions": ("messages", ("max_completion_tokens", "max_tokens")),
-    "/v1/responses": ("input", ("max_output_tokens",)),
-}
 # the request being served (endpoint, whether it set its completion length), for the length check
 _REQUEST = contextvars.ContextVar("ee_request", default=("/v1/completions", True))
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# the paged cache's size
-# ---------------------------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class CachePlan:
-    """The paged cache `ee-transformers serve` asks transformers for (`num_blocks` None: transformers sizes it from
-    free memory, as `--cb-max-memory-percent` asked)."""
-
-    block_size: int
-    num_blocks: int | None
-    bytes_per_token: int
-    model_max_length: int | None
-    how: str
-    max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
-    mask_bytes_per_cell: int = 4  # the attention mask: dtype bytes x masks (2 with sliding layers)
-
-    @property
-    def kv_bytes(self) -> int | None:
-        return None if self.num_blocks is None else self.num_blocks * self.block_size * self.bytes_per_token
-
-    @property
-    def max_length(self) -> int | None:
-        """The most tokens (prompt + completion) one request may hold: the model's length and the cache's."""
-        limits = [n for n in (self.model_max_length, self.num_blocks and self.num_blocks * self.block_size) if n]
-        return min(limits) if limits else None
-
-    @property
-    def mask_bytes(self) -> int | None:
-        """The attention mask transformers keeps for eager / SDPA attention: steps x (cache tokens + steps)."""
-        if self.num_blocks is None:
-            return None
-        tokens = self.num_blocks * self.block_size
-        return self.max_batch_tokens * (tokens + self.max_batch_tokens) * self.mask_bytes_per_cell
-
-    def line(self) -> str:
-        step = f"steps of at most {self.max_batch_tokens} tokens (--cb-max-batch-tokens)"
-        if self.num_blocks is None:
-            return f"ee-transformers serve: paged cache sized by transformers from free memory ({self.how}); {step}"
-        return (
-            f"ee-transformers serve: paged cache {self.num_blocks} blocks x {self.block_size} tokens "
-            f"({self.num_blocks * self.block_size} tokens), K/V {self.kv_bytes / 2**20:.1f} MiB "
-            f"({self.bytes_per_token} bytes/token); {self.how}; {step}, attention mask up to "
-            f"{self.mask_bytes / 2**20:.1f} MiB; a request may hold {self.max_length} tokens (prompt + max_tokens)"
-        )
-
-
-def parse_bytes(text: str) -> int:
-    """`1073741824`, `512MiB`, `1GiB`, `1.5GB`, `800M` -> bytes (K/M/G are powers of 1024, KB/MB/GB of 1000)."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?)(i?B?)\s*", str(text), re.IGNORECASE)
-    if not match:
-        raise InputError(f"--cb-memory must be a size in bytes such as 1073741824, 512MiB or 1GiB, got {text!r}.")
-    number, prefix, suffix = float(match.group(1)), match.group(2).upper(), match.group(3).lower()
-    base = 1000 if suffix == "b" and prefix else 1024
-    return int(number * base ** " KMG".index(prefix or " "))
-
-
-def model_max_length(config) -> int | None:
-    for name in ("max_position_embeddings", "n_positions"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
-def kv_bytes_per_token(config, layers: int, dtype: torch.dtype) -> tuple[int, str]:
-    """Bytes of K/V one token holds in the paged cache (as transformers counts a block: every loaded layer full)."""
-    from transformers.generation.continuous_batching.utils import find_head_dim, find_num_key_value_heads  # noqa: PLC0415
-
-    heads, dims, size = find_num_key_value_heads(config), find_head_dim(config), dtype.itemsize
-    return layers * 2 * heads * dims * size, f"{layers} layers x 2 x {heads} KV heads x {dims} dims x {size} bytes"
-
-
-def served_dtype(config, dtype_flag: str | None) -> torch.dtype:
-    name = dtype_flag if dtype_flag not in (None, "auto") else getattr(config, "dtype", None) or "float32"
-    dtype = name if isinstance(name, torch.dtype) else getattr(torch, str(name).replace("torch.", ""), None)
-    if not isinstance(dtype, torch.dtype):
-        raise InputError(f"--dtype must name a torch dtype such as float32 or bfloat16, got {dtype_flag!r}.")
-    return dtype
-
-
-def plan_paged_cache(
-    config,
-    dtype: torch.dtype,
-    exit_max_layer: int | None = None,
-    block_size: int | None = None,
-    num_blocks: int | None = None,
-    memory: int | None = None,
-    max_requests: int | None = None,
-    max_length: int | None = None,
-    memory_percent: float | None = None,
-    max_batch_tokens: int | None = None,
-) -> CachePlan:
-    """The paged cache for `--cb-*` settings: `num_blocks` as given; else as many blocks as `memory` bytes of K/V
-    hold; else `max_requests` requests of `max_length` tokens (default the model's), at most `DEFAULT_CB_MEMORY`."""
-    from transformers import ContinuousBatchingConfig  # noqa: PLC0415
-
-    sizes = [f for f, v in (("--cb-num-blocks", num_blocks), ("--cb-memory", memory)) if v is not None]
-    if len(sizes) > 1 or (sizes and max_requests is not None):
-        named = sizes + (["--cb-max-requests"] if max_requests is not None else [])
-        raise InputError(f"{' and '.join(named)} each size the paged cache: give one of them.")
-    max_requests = max_requests or DEFAULT_MAX_REQUESTS
-    block_size = block_size or ContinuousBatchingConfig().page_size  # transformers' page size
-    layers = config.num_hidden_layers if exit_max_layer is None else exit_max_layer + 1  # a lean model's loaded ones
-    per_token, shape = kv_bytes_per_token(config, layers, dtype)
-    longest = model_max_length(config)
-    if max_length is not None:
-        if longest is not None and max_length > longest:
-            raise InputError(f"--max-length {max_length} is longer than the model's maximum length ({longest}).")
-        longest = max_length
-    block_bytes = block_size * per_token
-    from transformers.generation.continuous_batching.cache import group_layers_by_attn_type  # noqa: PLC0415
-
-    step = dict(
-        max_batch_tokens=max_batch_tokens or DEFAULT_MAX_BATCH_TOKENS,
-        mask_bytes_per_cell=dtype.itemsize * len(group_layers_by_attn_type(config)),
-    )
-    if num_blocks is not None:
-        how = f"{shape}; --cb-num-blocks {num_blocks}"
-    elif memory is not None:
-        num_blocks = memory // block_bytes
-        if num_blocks < 1:
-            raise InputError(f"--cb-memory {memory} bytes holds no block of {block_size} tokens ({block_bytes} bytes).")
-        how = f"{shape}; the blocks of --cb-memory {memory / 2**20:.1f} MiB"
-    elif memory_percent is not None:
-        return CachePlan(block_size, None, per_token, longest, f"--cb-max-memory-percent {memory_percent}", **step)
-    else:
-        if longest is None:
-            raise InputError("the model's config names no maximum length: pass --max-length (or --cb-num-blocks).")
-        wanted = max_requests * math.ceil(longest / block_size)
-        cap = max(1, DEFAULT_CB_MEMORY // block_bytes)
-        num_blocks = min(wanted, cap)
-        how = f"{shape}; sized for {max_requests} requests of {longest} tokens (--cb-max-requests, --max-length)" + (
-            f", capped at {DEFAULT_CB_MEMORY / 2**20:.0f} MiB (--cb-memory sizes it instead)" if cap < wanted else ""
-        )
-    return CachePlan(block_size, num_blocks, per_token, longest, how, **step)
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# requests checked before decoding
-# ---------------------------------------------------------------------------------------------------------------------
-class RequestRefused(Exception):
-    """A request that cannot be served as asked: HTTP 400 naming `param`."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param, self.message = param, message
-
-    def body(self) -> bytes:
-        error = {"message": self.message, "type": "invalid_request_error", "param": self.param, "code": None}
-        return json.dumps({"error": error}).encode()
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)) and math.isfinite(value)
-
-
-def _check_sampling(values: dict, prefix: str = "") -> None:
-    """The OpenAI fields transformers converts without checking (a bad one answers 500 there, or empty text)."""
-
-    def refuse(name, allowed):
-        raise RequestRefused(f"{prefix}{name}", f"`{prefix}{name}` must be {allowed}, got {values[name]!r}.")
-
-    for name in ("max_tokens", "max_completion_tokens", "max_output_tokens", "max_new_tokens"):
-        if values.get(name) is not None and not (_is_int(values[name]) and values[name] >= 1):
-            refuse(name, "an integer >= 1")
-    if values.get("temperature") is not None and not (_is_number(values["temperature"]) and values["temperature"] >= 0):
-        refuse("temperature", "a number >= 0")
-    if values.get("top_p") is not None and not (_is_number(values["top_p"]) and 0 < values["top_p"] <= 1):
-        refuse("top_p", "a number in (0, 1]")
-    penalty = values.get("frequency_penalty")
-    if penalty is not None and not (_is_number(penalty) and penalty > -1):
-        refuse("frequency_penalty", "a number > -1 (transformers decodes with repetition_penalty = 1 + it)")
-    if values.get("seed") is not None and not _is_int(values["seed"]):
-        refuse("seed", "an integer")
-    if values.get("stream") is not None and not isinstance(values["stream"], bool):
-        refuse("stream", "true or false")
-    stop = values.get("stop")
-    if stop is not None and not (
-        isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
-    ):
-        refuse("stop", "a string or a list of strings")
-
-
-def _check_drafts(given: dict, model_config) -> None:
-    """Draft settings of a sequential request's `generation_config` (`generate` decodes with them)."""
-
-    def refuse(name, allowed):
-        raise RequestRefused(
-            f"generation_config.{name}", f"`{name}` in `generation_config` must be {allowed}, got {given[name]!r}."
-        )
-
-    for name in ("prompt_lookup_num_tokens", "max_matching_ngram_size", "num_assistant_tokens", MAX_BATCH_FIELD):
-        if given.get(name) is not None and not (_is_int(given[name]) and given[name] >= 1):
-            refuse(name, "an integer >= 1")
-    exits = [e + 1 for e in (getattr(model_config, "exit_layers", None) or [])]
-    if given.get("assistant_early_exit") is not None and given["assistant_early_exit"] not in exits:
-        refuse("assistant_early_exit", f"the number of layers that draft, ending at an exit: one of {exits}")
-    schedule = given.get("num_assistant_tokens_schedule")
-    if schedule is not None and schedule not in SCHEDULES:
-        refuse("num_assistant_tokens_schedule", f"one of {list(SCHEDULES)}")
-    threshold = given.get("assistant_confidence_threshold")
-    if threshold is not None and not (_is_number(threshold) and 0 <= threshold <= 1):
-        refuse("assistant_confidence_threshold", "a number in [0, 1]")
-    lookup = given.get("prompt_lookup_num_tokens")
-    stored = getattr(model_config, "draft_vocab_size", None) or 0
-    vocab = given.get("assistant_vocab_size")
-    if vocab is not None and not (_is_int(vocab) and 1 <= vocab <= stored and given.get("assistant_early_exit")):
-        refuse(
-            "assistant_vocab_size",
-            f"an integer in [1, {stored}] (the stored draft vocabulary) with assistant_early_exit",
-        )
-    width = given.get("speculative_verify_width")
-    if width is not None and not (_is_int(width) and width >= 1 and lookup):
-        refuse("speculative_verify_width", "an integer >= 1 with prompt_lookup_num_tokens")
-    table = given.get("speculative_table_drafts")
-    if table not in (None, False) and not (
-        table is True and lookup and getattr(model_config, "draft_table_size", None)
-    ):
-        refuse("speculative_table_drafts", "true or false; true needs prompt_lookup_num_tokens and a stored table")
-
-
-def request_error(body, model_config, continuous_batching: bool) -> RequestRefused | None:
-    """Why a generation request cannot be served as asked (None: it can), before it is tokenized."""
-    if not isinstance(body, dict):
-        return None  # not an object: transformers' handler answers it (422)
-    try:
-        _check_sampling(body)
-        if continuous_batching and body.get("stop"):
-            raise RequestRefused(
-                "stop",
-                "`stop` with --continuous-batching: transformers' continuous batching stops a request at EOS or "
-                "`max_tokens` only (its requests carry no stop strings), so the strings would be ignored. Leave "
-                "`stop` out, or serve without --continuous-batching.",
-            )
-        raw = body.get("generation_config")
-        if raw is None:
-            return None
-        try:
-            given = json.loads(raw) if isinstance(raw, str) else dict(raw)
-            if not isinstance(given, dict):
-                raise TypeError(f"it holds a {type(given).__name__}")
-        except (TypeError, ValueError) as error:
-            raise RequestRefused("generation_config", f"`generation_config` is not a JSON object: {error}") from None
-        _check_sampling(given, "generation_config.")
-        if continuous_batching and given.get("stop_strings"):
-            raise RequestRefused(
-                "generation_config.stop_strings",
-                "`stop_strings` with --continuous-batching: transformers' continuous batching stops a request at EOS "
-                "or `max_tokens` only, so the strings would be ignored. Leave them out, or serve without "
-                "--continuous-batching.",
-            )
-        exits = sorted(k for k in given if k in EXIT_ARGUMENTS)
-        drafts = sorted(k for k in given if k in DRAFT_ARGUMENTS)
-        if continuous_batching and (exits or drafts):
-            raise RequestRefused(
-                f"generation_config.{(exits + drafts)[0]}",
-                f"{exits + drafts} in a request: with --continuous-batching, transformers runs one batching manager "
-                "for the whole server, so exit and draft settings are the server's (the folder's stored ones, or "
-                "--exit-settings). Leave them out, or serve without --continuous-batching for per-request settings.",
-            )
-        _check_drafts(given, model_config)
-        if exits:
-            try:
-                resolve_exit_settings(model_config, {name: given.get(name) for name in EXIT_ARGUMENTS})
-            except ValueError as error:
-                named = next((n for n in exits if f"`{n}" in str(error)), exits[0])
-                raise RequestRefused(f"generation_config.{named}", str(error)) from None
-    except RequestRefused as refused:
-        return refused
-    return None
-
-
-def exit_settings_error(body: dict, model_config, continuous_batching: bool) -> str | None:
-    """The message of `request_error` (None: the request can be served)."""
-    refused = request_error(body, model_config, continuous_batching)
-    return None if refused is None else refused.message
-
-
-def length_error(
-    prompt_tokens: int, new_tokens: int | None, plan: CachePlan | None, path: str
-) -> RequestRefused | None:
-    """A prompt that, with the tokens it asks for, does not fit the model's length or the paged cache."""
-    limit = plan.max_length if plan is not None else None
-    if limit is None:
-        return None
-    prompt_field, fields = LENGTH_FIELDS.get(path, LENGTH_FIELDS["/v1/completions"])
-    why = f"the model's maximum length {plan.model_max_length}" if limit == plan.model_max_length else "the paged cache"
-    if prompt_tokens >= limit:
-        return RequestRefused(
-            prompt_field,
-            f"the prompt has {prompt_tokens} tokens; a request may hold {limit} tokens ({why}), prompt and "
-            "completion together.",
-        )
-    if new_tokens is not None and prompt_tokens + new_tokens > limit:
-        return RequestRefused(
-            fields[0],
-            f"the prompt has {prompt_tokens} tokens and `{'` / `'.join(fields)}` asks for {new_tokens} more; a "
-            f"request may hold {limit} tokens ({why}): ask for at most {limit - prompt_tokens}.",
-        )
-    return None
 
 
 # ---------------------------------------------------------------------------------------------------------------------
