@@ -108,3 +108,13 @@ def test_no_level_sends_a_passage_an_earlier_level_sent():
     assert {k: len(w.passages) for k, w in levels.items()} == sizes
     sent = [p for w in levels.values() for p in w.passages]
     assert sorted(sent) == sorted(passages)  # each passage once in the whole run
+
+
+def test_results_name_no_path_of_this_machine():
+    import os
+    from pathlib import Path
+
+    from ee_transformers.tools.bench.serve import portable
+
+    text = f"Loading {Path.home()}/.cache/m and {os.getcwd()}{os.sep}runs/ee"
+    assert portable(text) == "Loading ~/.cache/m and runs/ee"

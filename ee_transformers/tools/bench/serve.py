@@ -183,9 +183,18 @@ class ServerProcess:
         return psutil.Process(self.proc.pid).memory_info().rss
 
     def stop(self) -> str:
+        """Kills the server; its log, with this machine's paths made portable (also in the file)."""
         os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.wait(timeout=60)
-        return self.log_path.read_text()
+        text = portable(self.log_path.read_text())
+        self.log_path.write_text(text)
+        return text
+
+
+def portable(text: str) -> str:
+    """`text` without this machine's paths, as results are kept: the working folder's prefix dropped, the home
+    folder written `~`."""
+    return text.replace(os.getcwd() + os.sep, "").replace(str(Path.home()), "~")
 
 
 def _server_argv(kind: str, model: str, base: str, config: ServeBenchConfig, mode: str) -> list:
@@ -212,6 +221,11 @@ def _generation_config(new_tokens: int) -> dict:
     return {"generation_config": json.dumps({EOS_OFF: -1, "max_new_tokens": new_tokens, "do_sample": False})}
 
 
+def passages_sent(workload: str, clients: int, config: ServeBenchConfig) -> int:
+    """Passages one level of `clients` sends: a prompt each, a passage per chat turn, a document per client."""
+    return {"prompts": max(config.requests, clients), "chat": clients * config.turns, "edits": clients}[workload]
+
+
 class Workload:
     """What C clients send at one level: `sessions(C)` lists each client's requests, run in order (a conversation's
     turn k waits for turn k-1's answer); a request is `(key, build)` where `build(answers)` makes the request's body
@@ -219,11 +233,6 @@ class Workload:
 
     def __init__(self, name: str, passages: list[str], config: ServeBenchConfig, chat: bool):
         self.name, self.passages, self.config, self.chat = name, passages, config, chat
-
-    def needs(self, clients: int) -> int:
-        """Passages one level of `clients` sends: a prompt each, a passage per chat turn, a document per client."""
-        n = {"prompts": max(self.config.requests, clients), "chat": clients * self.config.turns, "edits": clients}
-        return n[self.name]
 
     def sessions(self, clients: int) -> list[list[tuple]]:
         if self.name == "prompts":
@@ -335,7 +344,7 @@ def level_workloads(config: ServeBenchConfig, passages: list[str], chat: bool) -
     levels, start = {}, 0
     for name in config.workloads:
         for c in config.clients:
-            n = Workload(name, [], config, chat).needs(c)
+            n = passages_sent(name, c, config)
             levels[name, c] = Workload(name, [passages[(start + i) % len(passages)] for i in range(n)], config, chat)
             start += n
     return levels
@@ -375,7 +384,7 @@ def run_serve_bench(
     chat = bool(getattr(tokenizer, "chat_template", None))
     # every (workload, clients) level its own passages, so a later level never sends what an earlier one did (a
     # server keeping a history index would draft the answers it gave them); the last passage warms each server up
-    sends = sum(Workload(name, [], config, chat).needs(c) for name in config.workloads for c in config.clients)
+    sends = sum(passages_sent(name, c, config) for name in config.workloads for c in config.clients)
     drawn = _held_out(tokenizer, config, config.num_prompts or sends + 1)
     warm_up, passages = drawn[-1], drawn[:-1] if len(drawn) > 1 else drawn
     if len(passages) < sends:
@@ -426,7 +435,7 @@ def run_serve_bench(
 def _write(folder, model, base, config, rows):
     """serve.json and serve.md as they stand (written after every row, so a run cut short keeps its rows)."""
     (folder / "serve.json").write_text(
-        json.dumps({"model": model, "base": base, "config": asdict(config), "rows": rows}, indent=2)
+        portable(json.dumps({"model": model, "base": base, "config": asdict(config), "rows": rows}, indent=2))
     )
     (folder / "serve.md").write_text(format_serve(rows) + "\n")
 
