@@ -117,3 +117,17 @@ def test_exit_settings_error_names_the_setting(folder):
     assert "exit_check_layers" in exit_settings_error(body(exit_check_layers=[7]), config, False)
     assert "continuous-batching" in exit_settings_error(body(exit_threshold=0.5), config, True)
     assert "JSON" in exit_settings_error({"generation_config": "{"}, config, False)
+
+
+def test_the_served_model_holds_no_second_tokenizer(folder, monkeypatch):
+    """The server loads its own tokenizer; the model it resolves drops the one a folder's model loads with it."""
+    import transformers
+
+    from ee_transformers.tools.serve import register_classes
+
+    assert eet.EarlyExitLlamaForCausalLM.from_pretrained(folder).tokenizer is not None  # the folder has one
+    for cls in eet.FAMILIES.values():  # put back after the test
+        monkeypatch.setattr(transformers, cls.__name__, cls, raising=False)
+    register_classes()
+    model = transformers.EarlyExitLlamaForCausalLM.from_pretrained(folder)
+    assert isinstance(model, eet.EarlyExitLlamaForCausalLM) and model.tokenizer is None
