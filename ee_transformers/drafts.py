@@ -15,6 +15,9 @@ full model's, so a source only decides how often a round is worth more than one 
 - **history**: earlier generations of this process (`drafter.history`, bounded by a token budget, oldest evicted;
   saved and loaded only through `SuffixIndex.save` / `load`, so a folder never ships user text), as SuffixDecoding's
   global tree does;
+- **peer**: the texts (prompt and output so far) of the other rows decoded at the same time: a batch's other rows in
+  `generate`, the other requests of a continuous-batching step; where several requests work on one document, a row
+  behind copies what a row ahead has already written (before it enters the history). On wherever the history is;
 - **table**: the model's stored table of frequent continuations (`draft_table.py`), the seed where neither matches.
 
 `SuffixIndex.chain` finds the occurrences of the row's last g tokens (g <= `ngram_size`, largest first), keeps those
@@ -48,6 +51,7 @@ import torch
 DEFAULT_HISTORY_TOKENS = 1 << 16  # the history index's default budget (tokens; a few MB of Python objects)
 MAX_MATCH = 16  # how far back a match is extended when ranking occurrences
 MAX_OCCURRENCES = 64  # the latest occurrences of an n-gram that are ranked
+MAX_PEERS = 31  # the most texts of rows decoded beside a row that its drafts are looked up in
 MARGIN = 1.03  # drafting must beat a plain step's expected tokens per second by this factor
 PRIOR_SLOPE = 0.1  # unmeasured widths: +10% cost per extra position
 SAMPLES = 9  # timings kept per width (the median is used)
@@ -58,7 +62,7 @@ TRUSTED = 3  # timings after which a width's median alone is its cost
 class Chain:
     """Drafts of one row. tokens: the copied tokens; shares: per token, the share of the matched occurrences that
     continue this way (cumulative); match: the length of the matched suffix; support: how many occurrences matched;
-    source: "context", "history" or "table"; probs: per token, the estimated probability that it and every draft
+    source: "context", "history", "peer" or "table"; probs: per token, the estimated probability that it and every draft
     before it are accepted (set by `Drafter.propose`); row: the row's own index (its acceptance so far)."""
 
     tokens: list[int]
@@ -299,14 +303,22 @@ class Drafter:
 
     # ----------------------------------------------------------------------------------------------------------------
     def propose(
-        self, context: SuffixIndex | None, suffix: Sequence[int], max_drafts: int, history: bool = True, table=False
+        self,
+        context: SuffixIndex | None,
+        suffix: Sequence[int],
+        max_drafts: int,
+        history: bool = True,
+        table=False,
+        peers: Sequence[SuffixIndex] = (),
     ) -> Chain | None:
-        """The chain of the row's sources (its own text `context`, the history index, the stored table) that expects
-        the most accepted drafts, with its `probs` set; None when no source offers one."""
+        """The chain of the row's sources (its own text `context`, the history index, the texts of the rows decoded
+        beside it, `peers`, and the stored table) that expects the most accepted drafts, with its `probs` set; None
+        when no source offers one."""
         chains = [
             context.chain(suffix, max_drafts, "context") if context is not None else None,
             self.history.chain(suffix, max_drafts, "history") if history and self.history.tokens else None,
             self.table_chain(suffix, max_drafts) if table else None,
+            *(peer.chain(suffix, max_drafts, "peer") for peer in (peers[:MAX_PEERS] if history else ())),
         ]
         best = None
         for chain in chains:

@@ -9,6 +9,7 @@ copies these files next to the weights and `trust_remote_code=True` loads them w
 """
 
 import contextlib
+import contextvars
 import copy
 import json
 import os
@@ -114,6 +115,10 @@ def _exit_settings_dropped_on_load(model, folder: str) -> dict:
     with open(path, encoding="utf-8") as file:
         stored = json.load(file)
     return {name: stored[name] for name in EXIT_ARGUMENTS if stored.get(name) is not None}
+
+
+# (model, generation config) a `without_stored_settings` block shows its own thread or task
+_CALL_VIEW = contextvars.ContextVar("call_generation_config", default=None)
 
 
 class EarlyExitMixin(ContinuousBatchingMixin, DraftStateMixin, ExitHeadsMixin):
@@ -357,19 +362,39 @@ class EarlyExitMixin(ContinuousBatchingMixin, DraftStateMixin, ExitHeadsMixin):
             out = super().generate(inputs, generation_config=generation_config, **kwargs)
         return self._with_full_depth_exit_layers(out, ids, eos)
 
+    # `generation_config`: what this thread's call sees -----------------------------------------------------------
+    @property
+    def generation_config(self):
+        """The stored generation settings (`generation_config.json`); inside `without_stored_settings`, for the
+        thread (or task) in that block only, a copy without the settings it hides."""
+        view = _CALL_VIEW.get()
+        if view is not None and view[0] is self:
+            return view[1]
+        return self.__dict__.get("_stored_generation_config")
+
+    @generation_config.setter
+    def generation_config(self, value):
+        self.__dict__["_stored_generation_config"] = value
+
     @contextlib.contextmanager
     def without_stored_settings(self, names):
-        """`self.generation_config` without the stored settings `names` while the block runs (the draft settings a
-        call turned off: transformers would otherwise refill them into the call's config)."""
-        config = self.generation_config
-        saved = {name: getattr(config, name) for name in names if hasattr(config, name)}
-        for name in saved:
-            setattr(config, name, None)
+        """While the block runs, this thread's (or task's) `self.generation_config` is a copy without the stored
+        settings `names` (the draft settings a call turned off: transformers would otherwise refill them into the
+        call's config). The stored config itself is not touched, so concurrent calls on one model each see their
+        own settings."""
+        stored = self.generation_config
+        names = [n for n in names if getattr(stored, n, None) is not None]
+        if not names:
+            yield
+            return
+        view = copy.deepcopy(stored)
+        for name in names:
+            setattr(view, name, None)
+        token = _CALL_VIEW.set((self, view))
         try:
             yield
         finally:
-            for name, value in saved.items():
-                setattr(config, name, value)
+            _CALL_VIEW.reset(token)
 
     def decode_with_exits(self, inputs, generation_config, settings: ExitSettings, streamer=None, **kwargs):
         """transformers' `generate` with the confident-exit loop (`early_exit_generate`) and resolved `settings`

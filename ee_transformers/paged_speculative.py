@@ -5,8 +5,8 @@ transformers; ours as in `generate`: `speculative_table_drafts`, `speculative_hi
 
 A continuous-batching step packs every scheduled request's query tokens into one row: prefill chunks, and one token per
 decoding request. Here a decoding request may carry its next input token plus k drafts (copied by the model's
-`drafter`, drafts.py, from the request's own prompt and output, the history of earlier generations, or the stored
-table), packed into the same forward as the other requests' tokens and prefill chunks:
+`drafter`, drafts.py, from the request's own prompt and output, the history of earlier generations, the other
+requests' texts so far, or the stored table), packed into the same forward as the other requests' tokens and prefill chunks:
 
     prepare   the scheduler has picked the step's requests and their cache blocks; each decoding request asks the
               drafter for a chain (tokens, and the estimated probability that drafts 0..i are all accepted), and
@@ -317,16 +317,22 @@ class PagedDrafts:
     def _chains(self, requests_in_batch):
         """Each request of this step that gets a new token, with its chain (None: no drafts; at most K drafts, and
         fewer than the tokens it may still add)."""
-        out = []
+        out, s, rooms = [], self.settings, {}
+        for fs in requests_in_batch:
+            state = fs.state
+            decoding = fs.query_length == 1 and state.generated_len() > 0 and state.status == RequestStatus.DECODING
+            if fs.has_new_token and decoding and self._room(state) > 0:
+                rooms[state.request_id] = self._room(state)
+                self._context(state)
+        texts = {r: entry[1] for r, entry in self.contexts.items()}  # every request's text so far: the peers
         for fs in requests_in_batch:
             if not fs.has_new_token:
                 continue
-            state, chain = fs.state, None
-            decoding = fs.query_length == 1 and state.generated_len() > 0 and state.status == RequestStatus.DECODING
-            room = self._room(state) if decoding else 0
+            chain, room = None, rooms.get(fs.state.request_id, 0)
             if room > 0:
-                index, s = self._context(state), self.settings
-                chain = self.drafter.propose(index, index.tail(MAX_MATCH), room, history=s.history > 0, table=s.table)
+                index = texts[fs.state.request_id]
+                peers = [t for r, t in texts.items() if r != fs.state.request_id]
+                chain = self.drafter.propose(index, index.tail(MAX_MATCH), room, s.history > 0, s.table, peers)
             out.append((fs, chain if chain is not None and chain.tokens else None))
         return out
 

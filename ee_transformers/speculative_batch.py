@@ -238,23 +238,24 @@ class RowTexts:
 
 
 def copied_drafts(model, settings, texts, budget):
-    """Each row's best chain of copied drafts (`Drafter.propose`: its own text, the history, the stored table),
-    at most `budget[r]` tokens; None where no source offers one or the budget is 0."""
-    drafter = model.drafter
+    """Each row's best chain of copied drafts (`Drafter.propose`: its own text, the history, the other rows' texts,
+    the stored table), at most `budget[r]` tokens; None where no source offers one or the budget is 0."""
+    drafter, rows, history = model.drafter, texts.rows, settings.history > 0
     return [
-        drafter.propose(row, row.tail(MAX_MATCH), n, history=settings.history > 0, table=settings.table) if n else None
-        for row, n in zip(texts.rows, budget.tolist())
+        drafter.propose(row, row.tail(MAX_MATCH), n, history, settings.table, rows[:r] + rows[r + 1 :]) if n else None
+        for r, (row, n) in enumerate(zip(rows, budget.tolist()))
     ]
 
 
 def _chain_tensors(chains, k, like):
-    """(drafts `(B, k)`, counts `(B,)`, from the table `(B,)`, from the history `(B,)`) of the chains cut at k."""
+    """(drafts `(B, k)`, counts `(B,)`, from the table `(B,)`, from other generations `(B,)`: the history or the rows
+    beside it) of the chains cut at k."""
     tokens = [(c.tokens[:k] if c is not None else []) for c in chains]
     drafts = torch.tensor([t + [0] * (k - len(t)) for t in tokens], dtype=like.dtype).reshape(len(chains), k)
     counts = torch.tensor([len(t) for t in tokens], dtype=torch.long, device=like.device)
     source = [None if c is None or not t else c.source for c, t in zip(chains, tokens)]
     table = torch.tensor([s == "table" for s in source], device=like.device)
-    history = torch.tensor([s == "history" for s in source], device=like.device)
+    history = torch.tensor([s in ("history", "peer") for s in source], device=like.device)  # other generations
     return drafts.to(like.device), counts, table, history
 
 

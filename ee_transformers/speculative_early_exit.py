@@ -20,9 +20,9 @@ n / V of the full head's cost); `speculative_verify_width=w`, a context round th
 positions per row (fillers after the drafts, never accepted), for CPUs whose kernels are slower at 2-3 rows than at 8.
 A third, `speculative_table_drafts=True`: a row whose own text offers no match drafts from the table of frequent
 continuations the model stores (`set_draft_table`, draft_table.py), verified like every copied draft. Copied drafts
-also come from the history of earlier generations (`speculative_history_tokens`, the index's budget; 0: off), and a
-gate decodes plainly where a wider round would not pay (`speculative_gate`; drafts.py: which drafts a row gets and
-whether a round pays, the same heart continuous batching calls).
+also come from the history of earlier generations and the other rows' texts so far (`speculative_history_tokens`, the
+history's budget; 0: both off), and a gate decodes plainly where a wider round would not pay (`speculative_gate`;
+drafts.py: which drafts a row gets and whether a round pays, the same heart continuous batching calls).
 
 `assistant_early_exit`, `num_assistant_tokens`, `num_assistant_tokens_schedule` and `assistant_confidence_threshold` are
 transformers' GenerationConfig fields, with transformers' meaning and defaults (20 drafts, "constant", 0.4); stored in

@@ -105,6 +105,20 @@ def test_the_source_that_expects_the_most_accepted_drafts_wins():
     assert drafter.propose(row, row.tail(), 3, history=False).tokens == [2, 4, 5]  # the tie: the latest
 
 
+def test_a_row_copies_what_a_row_beside_it_has_written():
+    """Peers: the texts of the rows decoded at the same time; a row behind drafts what a row ahead already wrote (its
+    own text and the history have no match), and not with the history off."""
+    drafter = Drafter()
+    ahead, behind, other = SuffixIndex(2), SuffixIndex(2), SuffixIndex(2)
+    ahead.extend([9, 4, 5, 6, 7, 8])
+    behind.extend([3, 4, 5])
+    other.extend([1, 2])
+    chain = drafter.propose(behind, behind.tail(), 3, peers=[other, ahead])
+    assert chain.source == "peer" and chain.tokens == [6, 7, 8]
+    assert drafter.propose(behind, behind.tail(), 3) is None
+    assert drafter.propose(behind, behind.tail(), 3, history=False, peers=[ahead]) is None
+
+
 # --- costs and the gate ----------------------------------------------------------------------------------------------
 
 

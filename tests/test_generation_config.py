@@ -67,6 +67,23 @@ def test_precedence_kwargs_over_passed_config_over_model_config(base_dirs):
     assert (decode(model, early_exit=False) == 3).all()
 
 
+def test_hidden_stored_settings_are_only_this_threads(base_dirs):
+    """A call that turns a stored draft setting off hides it from its own thread, not from concurrent calls on the same
+    model, and leaves the stored config as it was."""
+    from threading import Thread
+
+    model = ee(base_dirs)
+    model.generation_config.prompt_lookup_num_tokens = 3
+    seen = {}
+    with model.without_stored_settings(["prompt_lookup_num_tokens", "assistant_early_exit"]):
+        seen["this thread"] = model.generation_config.prompt_lookup_num_tokens
+        other = Thread(target=lambda: seen.update(other=model.generation_config.prompt_lookup_num_tokens))
+        other.start()
+        other.join()
+    assert seen == {"this thread": None, "other": 3}
+    assert model.generation_config.prompt_lookup_num_tokens == 3
+
+
 def test_generation_config_json_round_trip(base_dirs, tmp_path):
     model = ee(base_dirs, **ON, exit_check_layers=[1])  # from_base sets generation defaults
     assert (decode(model) == 1).all()

@@ -51,7 +51,7 @@ def oracle(monkeypatch, model, prompts, answers):
     """The model's drafter proposes each request's true continuation (`answers`), wrong at the first draft one step
     in three and at the last one step in three: drafts are accepted and rejected whatever the model generates."""
 
-    def propose(context, suffix, max_drafts, history=True, table=False):
+    def propose(context, suffix, max_drafts, history=True, table=False, peers=()):
         text = context.tokens
         (r,) = [r for r, p in enumerate(prompts) if text[: len(p)] == p and len(text) - len(p) <= len(answers[r])]
         done = len(text) - len(prompts[r])
