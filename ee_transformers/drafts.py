@@ -51,7 +51,7 @@ import torch
 DEFAULT_HISTORY_TOKENS = 1 << 16  # the history index's default budget (tokens; a few MB of Python objects)
 MAX_MATCH = 16  # how far back a match is extended when ranking occurrences
 MAX_OCCURRENCES = 64  # the latest occurrences of an n-gram that are ranked
-MAX_PEERS = 31  # the most texts of rows decoded beside a row that its drafts are looked up in
+MAX_PEERS = 7  # the most texts of rows decoded beside a row that its drafts are looked up in (each costs a lookup)
 MARGIN = 1.03  # drafting must beat a plain step's expected tokens per second by this factor
 PRIOR_SLOPE = 0.1  # unmeasured widths: +10% cost per extra position
 SAMPLES = 9  # timings kept per width (the median is used)
