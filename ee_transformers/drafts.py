@@ -51,7 +51,7 @@ import torch
 DEFAULT_HISTORY_TOKENS = 1 << 16  # the history index's default budget (tokens; a few MB of Python objects)
 MAX_MATCH = 16  # how far back a match is extended when ranking occurrences
 MAX_OCCURRENCES = 64  # the latest occurrences of an n-gram that are ranked
-MAX_PEERS = 7  # the most texts of rows decoded beside a row that its drafts are looked up in (each costs a lookup)
+MAX_PEERS = 7  # peer drafts only where at most this many other rows run beside a row (each costs a lookup)
 MARGIN = 1.03  # drafting must beat a plain step's expected tokens per second by this factor
 PRIOR_SLOPE = 0.1  # unmeasured widths: +10% cost per extra position
 SAMPLES = 9  # timings kept per width (the median is used)
@@ -222,6 +222,12 @@ class SuffixIndex:
         return index
 
 
+def peers_of(texts: Sequence[SuffixIndex], row: int) -> list[SuffixIndex]:
+    """The texts `row` looks its peer drafts up in: every other one, or none when more than `MAX_PEERS` others run
+    beside it (a wide batch or step rarely pays for drafts, and each peer costs a lookup per row, about 30 us)."""
+    return [] if len(texts) > MAX_PEERS + 1 else [t for i, t in enumerate(texts) if i != row]
+
+
 def _check_budget(max_tokens):
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0):
         raise ValueError(f"`max_tokens` must be an integer >= 0 or None, got {max_tokens!r}.")
@@ -318,7 +324,7 @@ class Drafter:
             context.chain(suffix, max_drafts, "context") if context is not None else None,
             self.history.chain(suffix, max_drafts, "history") if history and self.history.tokens else None,
             self.table_chain(suffix, max_drafts) if table else None,
-            *(peer.chain(suffix, max_drafts, "peer") for peer in (peers[:MAX_PEERS] if history else ())),
+            *(peer.chain(suffix, max_drafts, "peer") for peer in (peers if history else ())),
         ]
         best = None
         for chain in chains:
@@ -464,6 +470,7 @@ __all__ = [
     "StepCosts",
     "SuffixIndex",
     "pace_setters",
+    "peers_of",
     "plan_packed",
     "plan_padded",
 ]

@@ -66,7 +66,7 @@ from transformers.generation.continuous_batching.cache_allocators import (
 from transformers.generation.continuous_batching.requests import RequestStatus
 from transformers.utils import logging
 
-from .drafts import MAX_MATCH, MAX_PEERS, SuffixIndex, plan_packed
+from .drafts import MAX_MATCH, SuffixIndex, peers_of, plan_packed
 from .request import PagedDraftSettings
 
 logger = logging.get_logger(__name__)
@@ -317,24 +317,26 @@ class PagedDrafts:
     def _chains(self, requests_in_batch):
         """Each request of this step that gets a new token, with its chain (None: no drafts; at most K drafts, and
         fewer than the tokens it may still add)."""
-        out, s, rooms = [], self.settings, {}
+        s, rooms = self.settings, {}
         for fs in requests_in_batch:
             state = fs.state
             decoding = fs.query_length == 1 and state.generated_len() > 0 and state.status == RequestStatus.DECODING
-            if fs.has_new_token and decoding and self._room(state) > 0:
-                rooms[state.request_id] = self._room(state)
+            room = self._room(state) if fs.has_new_token and decoding else 0
+            if room > 0:
+                rooms[state.request_id] = room
                 self._context(state)
-        texts = {r: entry[1] for r, entry in self.contexts.items()}  # every request's text so far: the peers
-        # a wide step rarely pays for drafts, and each peer costs a lookup per request (about 30 us on this CPU)
-        wide = len(rooms) > MAX_PEERS + 1
+        row = {request_id: i for i, request_id in enumerate(self.contexts)}  # every request's text so far: the peers
+        texts = [entry[1] for entry in self.contexts.values()]
+        out = []
         for fs in requests_in_batch:
             if not fs.has_new_token:
                 continue
             chain, room = None, rooms.get(fs.state.request_id, 0)
             if room > 0:
-                index = texts[fs.state.request_id]
-                peers = [] if wide else [t for r, t in texts.items() if r != fs.state.request_id]
-                chain = self.drafter.propose(index, index.tail(MAX_MATCH), room, s.history > 0, s.table, peers)
+                r = row[fs.state.request_id]
+                chain = self.drafter.propose(
+                    texts[r], texts[r].tail(MAX_MATCH), room, s.history > 0, s.table, peers_of(texts, r)
+                )
             out.append((fs, chain if chain is not None and chain.tokens else None))
         return out
 

@@ -11,7 +11,7 @@ from collections import defaultdict
 
 import torch
 
-from .drafts import MAX_MATCH, SuffixIndex
+from .drafts import MAX_MATCH, SuffixIndex, peers_of
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -242,7 +242,7 @@ def copied_drafts(model, settings, texts, budget):
     the stored table), at most `budget[r]` tokens; None where no source offers one or the budget is 0."""
     drafter, rows, history = model.drafter, texts.rows, settings.history > 0
     return [
-        drafter.propose(row, row.tail(MAX_MATCH), n, history, settings.table, rows[:r] + rows[r + 1 :]) if n else None
+        drafter.propose(row, row.tail(MAX_MATCH), n, history, settings.table, peers_of(rows, r)) if n else None
         for r, (row, n) in enumerate(zip(rows, budget.tolist()))
     ]
 

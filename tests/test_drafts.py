@@ -7,11 +7,13 @@ from conftest import LayerCalls, padded_batch
 from helpers import models_per_family
 
 from ee_transformers.drafts import (
+    MAX_PEERS,
     TRUSTED,
     Drafter,
     StepCosts,
     SuffixIndex,
     pace_setters,
+    peers_of,
     plan_packed,
     plan_padded,
 )
@@ -117,6 +119,8 @@ def test_a_row_copies_what_a_row_beside_it_has_written():
     assert chain.source == "peer" and chain.tokens == [6, 7, 8]
     assert drafter.propose(behind, behind.tail(), 3) is None
     assert drafter.propose(behind, behind.tail(), 3, history=False, peers=[ahead]) is None
+    assert peers_of([ahead, behind, other], 1) == [ahead, other]
+    assert peers_of([SuffixIndex(2) for _ in range(MAX_PEERS + 2)], 0) == []  # too wide: no peer lookups
 
 
 # --- costs and the gate ----------------------------------------------------------------------------------------------
