@@ -34,8 +34,8 @@ widths follow a prior of +10% per position relative to the nearest measured one;
 costs at most that estimate, so one slow timing does not shut it out). It produces, for a row,
 `1 + sum(probs[:w])` tokens in expectation. `plan_padded` picks the w with the most expected tokens per second for
 the rows that set the pace (at batch > 1 the batch waits for its slowest rows) and 0, a plain one-token step, unless
-drafting beats it by `MARGIN`; `plan_packed` does the same for a packed step whose cost grows with its token count,
-adding the drafts with the highest probability first.
+drafting beats it by `MARGIN`; `plan_packed` does the same for a packed step, adding the drafts with the highest
+probability first; its cost (`PackedCosts`) is fitted on the latest steps from their tokens, logits rows and keys read.
 
 Part of the Hub runtime: imports only torch.
 """
@@ -56,6 +56,8 @@ MARGIN = 1.03  # drafting must beat a plain step's expected tokens per second by
 PRIOR_SLOPE = 0.1  # unmeasured widths: +10% cost per extra position
 SAMPLES = 9  # timings kept per width (the median is used)
 TRUSTED = 3  # timings after which a width's median alone is its cost
+PACKED_STEPS = 256  # the latest packed steps `PackedCosts` fits
+PACKED_FIT_AFTER = 8  # packed steps timed before the fit replaces the width table
 
 
 @dataclass
@@ -280,6 +282,7 @@ class Drafter:
     def __init__(self, history_tokens: int | None = DEFAULT_HISTORY_TOKENS, ngram_size: int = 4):
         self.history = SuffixIndex(ngram_size, history_tokens)
         self.costs = StepCosts()
+        self.packed = PackedCosts(self.costs)
         self.stats: dict[tuple, list[float]] = {}  # cell -> [accepted, reached]
         self.table: dict[tuple[int, int] | int, int] | None = None
         self._table_key = None
@@ -392,6 +395,54 @@ class StepCosts:
         estimate = _between(others, x) if others else _prior(x)
         # a width timed fewer than TRUSTED times: one slow sample must not shut it out for good
         return min(_median(widths[x]), estimate) if x in widths else estimate
+
+
+class PackedCosts:
+    """Seconds of a packed continuous-batching step from what it computes, fitted on the running machine's latest
+    steps: `a + b * tokens + c * rows + d * tokens * keys / 1024`, where `tokens` are the step's packed tokens (the
+    decoder layers' work), `rows` those that get logits (the LM head's: a draft is a row, a prefill token is not) and
+    `keys` the K/V its attention reads (the step's tokens included: packed attention computes tokens x keys). A draft
+    adds one to each. Weighted least squares on relative error with non-negative coefficients over the latest
+    `PACKED_STEPS` steps; until `PACKED_FIT_AFTER` steps are timed, the width table `costs` keyed by tokens.
+
+    Keyed by tokens alone, a step of 32 decode tokens and 26 drafts looks like one of 32 and a 26-token prefill
+    chunk; on Gemma-3-270M (a 262k-word LM head, 1.7x the layers' work per row) the drafted one costs 1.3x more, so
+    the width table undercounted what drafts cost under load."""
+
+    def __init__(self, costs: StepCosts):
+        self.table, self.samples, self._fit = costs, deque(maxlen=PACKED_STEPS), None
+
+    @staticmethod
+    def _features(tokens, rows, keys):
+        return (1.0, float(tokens), float(rows), tokens * keys / 1024.0)
+
+    def observe(self, tokens: int, rows: int, keys: int, seconds: float) -> None:
+        self.table.observe(("packed", tokens), seconds)
+        self.samples.append((self._features(tokens, rows, keys), float(seconds)))
+        self._fit = None
+
+    def coefficients(self) -> list[float] | None:
+        """(a, b, c, d) of the fit, None before `PACKED_FIT_AFTER` steps."""
+        if self._fit is None and len(self.samples) >= PACKED_FIT_AFTER:
+            x = torch.tensor([f for f, _ in self.samples], dtype=torch.float64)
+            y = torch.tensor([s for _, s in self.samples], dtype=torch.float64)
+            x, keep = x / y[:, None], list(range(x.shape[1]))  # relative error: each row divided by its seconds
+            while True:  # least squares; a negative coefficient leaves the fit (an active set, non-negative)
+                beta = torch.linalg.lstsq(x[:, keep], torch.ones_like(y)[:, None]).solution[:, 0]
+                if bool((beta >= 0).all()) or len(keep) == 1:
+                    break
+                keep.pop(int(beta.argmin()))
+            fit = [0.0] * x.shape[1]
+            for i, b in zip(keep, beta.clamp(min=0).tolist()):
+                fit[i] = b
+            self._fit = fit
+        return self._fit
+
+    def cost(self, tokens: int, rows: int, keys: int) -> float:
+        fit = self.coefficients()
+        if fit is None or not any(fit):
+            return self.table.cost(("packed", tokens))
+        return sum(b * f for b, f in zip(fit, self._features(tokens, rows, keys)))
 
 
 def _between(widths, x):

@@ -280,6 +280,7 @@ class PagedDrafts:
         windows = [a.sliding_window for a in allocators if isinstance(a, SlidingAttentionCacheAllocator)]
         self.max_drafts = min([settings.max_drafts, *(w - 1 for w in windows)])  # a query fits in the ring
         self.step = {}  # request id -> _Drafted, for the current step (empty: a plain step)
+        self.packed = (0, 0, 0)  # the current step's (tokens, logits rows, keys read)
         self.counts = {}  # request id -> [drafted, accepted] tokens, while it runs
         self.totals = [0, 0]  # [drafted, accepted] tokens of every request so far
         io = processor.inputs_and_outputs
@@ -291,8 +292,9 @@ class PagedDrafts:
         io.prepare_batch_tensors, processor._generation_step = self.prepare_batch_tensors, self.generation_step
         processor.update_batch = self.update_batch
 
-    def cost(self, tokens: int) -> float:
-        return self.drafter.costs.cost(("packed", tokens))
+    def cost(self, tokens: int, rows: int, keys: int) -> float:
+        """Seconds of a step of `tokens` packed tokens, `rows` of them with logits, its attention reading `keys`."""
+        return self.drafter.packed.cost(tokens, rows, keys)
 
     # prepare ---------------------------------------------------------------------------------------------------------
     def _context(self, state) -> SuffixIndex:
@@ -346,9 +348,15 @@ class PagedDrafts:
         self._forget_gone()
         self.step = {}
         chains = self._chains(requests_in_batch)
+        rows = len(chains)  # the requests that get a new token: a logits row each
+        keys = sum(fs.state.position_offset + fs.query_length for fs in requests_in_batch)  # what attention reads
         if any(chain is not None for _, chain in chains):
             if self.settings.gate:  # every request with a new token produces one: those without a chain too
-                ks = plan_packed([list(c.probs) if c is not None else [] for _, c in chains], num_q_tokens, self.cost)
+
+                def cost(tokens):  # each draft is a token, a logits row and a key more
+                    return self.cost(tokens, rows + tokens - num_q_tokens, keys + tokens - num_q_tokens)
+
+                ks = plan_packed([list(c.probs) if c is not None else [] for _, c in chains], num_q_tokens, cost)
             else:
                 ks = [len(c.tokens) if c is not None else 0 for _, c in chains]
             budget = self.processor.max_batch_tokens - num_q_tokens  # the static inputs hold this many tokens
@@ -360,7 +368,7 @@ class PagedDrafts:
                 fs.query_length, budget = 1 + k, budget - k
                 self.step[fs.state.request_id] = _Drafted(chain, k)
         added = sum(d.k for d in self.step.values())
-        self.packed_tokens = num_q_tokens + added
+        self.packed = (num_q_tokens + added, rows + added, keys + added)  # what the step costs are fitted on
         self._prepare(
             requests_in_batch,
             logits_processors,
@@ -382,7 +390,7 @@ class PagedDrafts:
         if not self.step:
             start = time.perf_counter()
             self._generate(model)
-            self.drafter.costs.observe(("packed", self.packed_tokens), time.perf_counter() - start)
+            self.drafter.packed.observe(*self.packed, time.perf_counter() - start)
             return
         processor = self.processor
         io = processor.inputs_and_outputs
@@ -417,12 +425,12 @@ class PagedDrafts:
         for drafted in self.step.values():
             drafted.ring.restore(len(drafted.tokens) - 1)
         seconds = time.perf_counter() - start
-        self.drafter.costs.observe(("packed", self.packed_tokens), seconds)
+        self.drafter.packed.observe(*self.packed, seconds)
         trace = getattr(self.model, "_paged_draft_trace", None)
         if trace is not None:
             drafted = sum(d.k for d in self.step.values())
             accepted = sum(len(d.tokens) - 1 for d in self.step.values())
-            trace.steps.append((self.packed_tokens, drafted, accepted, seconds))
+            trace.steps.append((self.packed[0], drafted, accepted, seconds))
 
     def _verify(self, requests, counts, scores):
         """Each request's committed tokens from its rows of `scores`; the first goes into the output ids transformers'

@@ -10,6 +10,7 @@ from ee_transformers.drafts import (
     MAX_PEERS,
     TRUSTED,
     Drafter,
+    PackedCosts,
     StepCosts,
     SuffixIndex,
     pace_setters,
@@ -137,6 +138,29 @@ def test_step_costs_interpolate_and_distrust_a_single_timing():
     costs.observe(("padded", 8, 2), 1.0)  # one slow timing of width 2: at most its estimate
     assert costs.cost(("padded", 8, 2)) == pytest.approx(0.0125)
     assert costs.cost(("padded", 1, 1)) == pytest.approx(1.0)  # another group: its own prior
+
+
+def test_packed_costs_separate_tokens_logits_rows_and_attention():
+    costs = StepCosts()
+    early = PackedCosts(costs)
+    for _ in range(TRUSTED):
+        early.observe(4, 4, 100, 2.0)
+    assert early.coefficients() is None
+    assert early.cost(4, 4, 100) == costs.cost(("packed", 4)) == 2.0  # too few steps: the width table
+    packed = PackedCosts(StepCosts())
+    truth = lambda t, r, k: 0.05 + 0.002 * t + 0.003 * r + 1e-6 * t * k  # noqa: E731
+    steps = [(t, r, k) for t, r, k in [(1024, 3, 1100), (64, 2, 300), (32, 32, 4000), (16, 16, 2000), (40, 32, 4100)]]
+    steps += [(t, min(t, 8), 50 * t) for t in range(8, 24)]
+    for t, r, k in steps:
+        packed.observe(t, r, k, truth(t, r, k))
+    assert packed.coefficients() == pytest.approx([0.05, 0.002, 0.003, 1024e-6], rel=1e-6)
+    # a draft costs a token, a logits row and a key more: more than a prefill token of the same width
+    assert packed.cost(58, 58, 4058) == pytest.approx(truth(58, 58, 4058))
+    assert packed.cost(58, 58, 4058) > packed.cost(58, 33, 4058)
+    never_negative = PackedCosts(StepCosts())
+    for t in range(1, 20):  # seconds that shrink with the tokens: no coefficient below zero predicts less than 0
+        never_negative.observe(t, t, t, 1.0 / t)
+    assert all(b >= 0 for b in never_negative.coefficients()) and never_negative.cost(100, 100, 100) >= 0
 
 
 def test_the_padded_gate_drafts_only_where_it_pays():
