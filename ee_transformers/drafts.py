@@ -399,10 +399,11 @@ class StepCosts:
 
 class PackedCosts:
     """Seconds of a packed continuous-batching step from what it computes, fitted on the running machine's latest
-    steps: `a + b * tokens + c * rows + d * tokens * keys / 1024`, where `tokens` are the step's packed tokens (the
-    decoder layers' work), `rows` those that get logits (the LM head's: a draft is a row, a prefill token is not) and
-    `keys` the K/V its attention reads (the step's tokens included: packed attention computes tokens x keys). A draft
-    adds one to each. Weighted least squares on relative error with non-negative coefficients over the latest
+    steps: `a + b * tokens + c * rows + d * tokens * keys / 1024 + e * drafted`, where `tokens` are the step's packed
+    tokens (the decoder layers' work), `rows` those that get logits (the LM head's: a draft is a row, a prefill token
+    is not), `keys` the K/V its attention reads (the step's tokens included: packed attention computes tokens x
+    keys) and `drafted` 1 for a step that verifies drafts (its verification and rollback). A draft adds one to each of
+    the first three. Weighted least squares on relative error with non-negative coefficients over the latest
     `PACKED_STEPS` steps; until `PACKED_FIT_AFTER` steps are timed, the width table `costs` keyed by tokens.
 
     Keyed by tokens alone, a step of 32 decode tokens and 26 drafts looks like one of 32 and a 26-token prefill
@@ -413,16 +414,16 @@ class PackedCosts:
         self.table, self.samples, self._fit = costs, deque(maxlen=PACKED_STEPS), None
 
     @staticmethod
-    def _features(tokens, rows, keys):
-        return (1.0, float(tokens), float(rows), tokens * keys / 1024.0)
+    def _features(tokens, rows, keys, drafted):
+        return (1.0, float(tokens), float(rows), tokens * keys / 1024.0, float(drafted))
 
-    def observe(self, tokens: int, rows: int, keys: int, seconds: float) -> None:
+    def observe(self, tokens: int, rows: int, keys: int, seconds: float, drafted: bool = False) -> None:
         self.table.observe(("packed", tokens), seconds)
-        self.samples.append((self._features(tokens, rows, keys), float(seconds)))
+        self.samples.append((self._features(tokens, rows, keys, drafted), float(seconds)))
         self._fit = None
 
     def coefficients(self) -> list[float] | None:
-        """(a, b, c, d) of the fit, None before `PACKED_FIT_AFTER` steps."""
+        """(a, b, c, d, e) of the fit, None before `PACKED_FIT_AFTER` steps."""
         if self._fit is None and len(self.samples) >= PACKED_FIT_AFTER:
             x = torch.tensor([f for f, _ in self.samples], dtype=torch.float64)
             y = torch.tensor([s for _, s in self.samples], dtype=torch.float64)
@@ -438,11 +439,11 @@ class PackedCosts:
             self._fit = fit
         return self._fit
 
-    def cost(self, tokens: int, rows: int, keys: int) -> float:
+    def cost(self, tokens: int, rows: int, keys: int, drafted: bool = False) -> float:
         fit = self.coefficients()
         if fit is None or not any(fit):
             return self.table.cost(("packed", tokens))
-        return sum(b * f for b, f in zip(fit, self._features(tokens, rows, keys)))
+        return sum(b * f for b, f in zip(fit, self._features(tokens, rows, keys, drafted)))
 
 
 def _between(widths, x):

@@ -292,9 +292,10 @@ class PagedDrafts:
         io.prepare_batch_tensors, processor._generation_step = self.prepare_batch_tensors, self.generation_step
         processor.update_batch = self.update_batch
 
-    def cost(self, tokens: int, rows: int, keys: int) -> float:
-        """Seconds of a step of `tokens` packed tokens, `rows` of them with logits, its attention reading `keys`."""
-        return self.drafter.packed.cost(tokens, rows, keys)
+    def cost(self, tokens: int, rows: int, keys: int, drafted: bool) -> float:
+        """Seconds of a step of `tokens` packed tokens, `rows` of them with logits, its attention reading `keys`, that
+        verifies drafts or not (`drafted`)."""
+        return self.drafter.packed.cost(tokens, rows, keys, drafted)
 
     # prepare ---------------------------------------------------------------------------------------------------------
     def _context(self, state) -> SuffixIndex:
@@ -354,7 +355,8 @@ class PagedDrafts:
             if self.settings.gate:  # every request with a new token produces one: those without a chain too
 
                 def cost(tokens):  # each draft is a token, a logits row and a key more
-                    return self.cost(tokens, rows + tokens - num_q_tokens, keys + tokens - num_q_tokens)
+                    n = tokens - num_q_tokens
+                    return self.cost(tokens, rows + n, keys + n, n > 0)
 
                 ks = plan_packed([list(c.probs) if c is not None else [] for _, c in chains], num_q_tokens, cost)
             else:
@@ -425,7 +427,7 @@ class PagedDrafts:
         for drafted in self.step.values():
             drafted.ring.restore(len(drafted.tokens) - 1)
         seconds = time.perf_counter() - start
-        self.drafter.packed.observe(*self.packed, seconds)
+        self.drafter.packed.observe(*self.packed, seconds, drafted=True)
         trace = getattr(self.model, "_paged_draft_trace", None)
         if trace is not None:
             drafted = sum(d.k for d in self.step.values())

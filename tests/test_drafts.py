@@ -148,15 +148,15 @@ def test_packed_costs_separate_tokens_logits_rows_and_attention():
     assert early.coefficients() is None
     assert early.cost(4, 4, 100) == costs.cost(("packed", 4)) == 2.0  # too few steps: the width table
     packed = PackedCosts(StepCosts())
-    truth = lambda t, r, k: 0.05 + 0.002 * t + 0.003 * r + 1e-6 * t * k  # noqa: E731
-    steps = [(t, r, k) for t, r, k in [(1024, 3, 1100), (64, 2, 300), (32, 32, 4000), (16, 16, 2000), (40, 32, 4100)]]
-    steps += [(t, min(t, 8), 50 * t) for t in range(8, 24)]
-    for t, r, k in steps:
-        packed.observe(t, r, k, truth(t, r, k))
-    assert packed.coefficients() == pytest.approx([0.05, 0.002, 0.003, 1024e-6], rel=1e-6)
+    truth = lambda t, r, k, d: 0.05 + 0.002 * t + 0.003 * r + 1e-6 * t * k + 0.01 * d  # noqa: E731
+    steps = [(1024, 3, 1100, 0), (64, 2, 300, 0), (32, 32, 4000, 0), (16, 16, 2000, 0), (40, 32, 4100, 1)]
+    steps += [(t, min(t, 8), 50 * t, t % 2) for t in range(8, 24)]
+    for t, r, k, d in steps:
+        packed.observe(t, r, k, truth(t, r, k, d), drafted=bool(d))
+    assert packed.coefficients() == pytest.approx([0.05, 0.002, 0.003, 1024e-6, 0.01], rel=1e-6)
     # a draft costs a token, a logits row and a key more: more than a prefill token of the same width
-    assert packed.cost(58, 58, 4058) == pytest.approx(truth(58, 58, 4058))
-    assert packed.cost(58, 58, 4058) > packed.cost(58, 33, 4058)
+    assert packed.cost(58, 58, 4058, drafted=True) == pytest.approx(truth(58, 58, 4058, 1))
+    assert packed.cost(58, 58, 4058, drafted=True) > packed.cost(58, 33, 4058, drafted=True)
     never_negative = PackedCosts(StepCosts())
     for t in range(1, 20):  # seconds that shrink with the tokens: no coefficient below zero predicts less than 0
         never_negative.observe(t, t, t, 1.0 / t)

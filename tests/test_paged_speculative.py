@@ -44,7 +44,7 @@ def config(**settings):
 @pytest.fixture
 def drafts_pay(monkeypatch):
     """Every step takes every draft the drafter offers (a step cost that does not grow with its tokens)."""
-    monkeypatch.setattr(PagedDrafts, "cost", lambda self, tokens, rows, keys: 1.0)
+    monkeypatch.setattr(PagedDrafts, "cost", lambda self, tokens, rows, keys, drafted: 1.0)
 
 
 def oracle(monkeypatch, model, prompts, answers):
@@ -330,17 +330,19 @@ def test_the_draft_budget_follows_the_step_cost(base_dirs, monkeypatch):
     step is a plain step; every step's time is fed to the drafter's costs."""
     base, model = base_dirs["llama"][1], ee_model(base_dirs)
     want = plain(base, config())
-    monkeypatch.setattr(PagedDrafts, "cost", lambda self, tokens, rows, keys: 1.0)
+    monkeypatch.setattr(PagedDrafts, "cost", lambda self, tokens, rows, keys, drafted: 1.0)
     tokens, flat = drafted(model, config(prompt_lookup_num_tokens=4))
     assert tokens == want and flat.drafted > 0
-    monkeypatch.setattr(PagedDrafts, "cost", lambda self, tokens, rows, keys: float(tokens))
+    monkeypatch.setattr(PagedDrafts, "cost", lambda self, tokens, rows, keys, drafted: float(tokens))
     tokens, linear = drafted(model, config(prompt_lookup_num_tokens=4))
     assert tokens == want and linear.drafted == 0 and not linear.steps
     observed = []
-    monkeypatch.setattr(model.drafter.packed, "observe", lambda *step: observed.append(step))
+    monkeypatch.setattr(PagedDrafts, "cost", lambda self, tokens, rows, keys, drafted: 1.0)
+    monkeypatch.setattr(model.drafter.packed, "observe", lambda *step, drafted=False: observed.append((*step, drafted)))
     drafted(model, config(prompt_lookup_num_tokens=4))
     # every step: its tokens, logits rows (at most one per token) and keys read (at least its tokens), and its time
-    assert observed and all(t >= r >= 1 and k >= t and s > 0 for t, r, k, s in observed), observed
+    assert observed and all(t >= r >= 1 and k >= t and s > 0 for t, r, k, s, _ in observed), observed
+    assert any(d for *_, d in observed) and not all(d for *_, d in observed)  # drafted steps and plain ones
 
 
 def test_at_saturation_drafting_shrinks_to_none(base_dirs, monkeypatch):
@@ -348,7 +350,7 @@ def test_at_saturation_drafting_shrinks_to_none(base_dirs, monkeypatch):
     twelve decoding together (12 tokens already) draft nothing, with the same text as plain continuous batching.
     (A step of prefill chunks is another matter: its tokens produce none this step, so a few drafts may pay there.)"""
     base, model = base_dirs["llama"][1], ee_model(base_dirs)
-    monkeypatch.setattr(PagedDrafts, "cost", lambda self, tokens, rows, keys: max(1.0, tokens / 8))
+    monkeypatch.setattr(PagedDrafts, "cost", lambda self, tokens, rows, keys, drafted: max(1.0, tokens / 8))
     alone_tokens, one = drafted(model, config(prompt_lookup_num_tokens=4), prompts=PROMPTS[:1])
     assert alone_tokens == plain(base, config(), prompts=PROMPTS[:1]) and one.drafted > 0
     many = [[5 + i, 6 + i, 5 + i, 6 + i, 5 + i] for i in range(12)]  # one prefill step, then 12 decodes per step
