@@ -12,7 +12,9 @@ seconds, CPU seconds, drafted and accepted tokens, and whether the tokens equal 
 prompts are new, so the history index only holds earlier rounds' answers, as a server's would.
 
 The gate's predictions: for each drafted step, the seconds `plan_packed` expected for the width it chose against the
-seconds the step took, summarised as the median ratio measured / predicted.
+seconds the step took, summarised as the median ratio measured / predicted. `--costs table` plans with the width table
+keyed by packed tokens alone (the rule before `PackedCosts`); `--with-off` also times the folder with drafts off, to
+tell the drafts' cost from the rest of the model's.
 """
 
 import argparse
@@ -37,6 +39,8 @@ def main():
     p.add_argument("--drafts", type=int, default=7, help="prompt_lookup_num_tokens")
     p.add_argument("--domain", default="python", choices=["python", "austen"])
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--costs", default="fit", choices=["fit", "table"], help="the gate's step costs")
+    p.add_argument("--with-off", action="store_true", help="also time the folder with drafts off")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     base_dir = os.path.expanduser(args.base)
@@ -53,17 +57,26 @@ def main():
     )
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
     ours = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    if args.costs == "table":  # never fitted: `PackedCosts.cost` reads the width table
+        ours.drafter.packed.coefficients = lambda: None
+    arms = [("plain", base, plain_gc), ("drafts", ours, draft_gc)]
+    if args.with_off:
+        off = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+        for name in ("prompt_lookup_num_tokens", "speculative_table_drafts"):  # the stored lossless mode, off
+            setattr(off.generation_config, name, None)
+        arms.insert(1, ("off", off, plain_gc))
     warm = prompts[-4:]  # not among any round's prompts
-    base.generate_batch(warm, generation_config=plain_gc, continuous_batching_config=cb())
-    ours.generate_batch(warm, generation_config=draft_gc, continuous_batching_config=cb())
+    for _, model, gc in arms:
+        model.generate_batch(warm, generation_config=gc, continuous_batching_config=cb())
 
-    planned = []  # the cost plan_packed expected for the width it chose, one per drafted step
+    planned = {}  # trace step index -> the seconds plan_packed expected for the width it chose
     plan = paged_speculative.plan_packed
 
     def recording_plan(probs, base_tokens, cost):
         ks = plan(probs, base_tokens, cost)
-        if sum(ks):
-            planned.append(cost(base_tokens + sum(ks)))
+        trace = getattr(ours, "_paged_draft_trace", None)
+        if sum(ks) and trace is not None:  # the step's entry, if it drafts (a later plan of a plain step overwrites)
+            planned[len(trace.steps)] = cost(base_tokens + sum(ks))
         return ks
 
     paged_speculative.plan_packed = recording_plan
@@ -71,7 +84,7 @@ def main():
     for r in range(args.rounds):
         batch = prompts[r * args.requests : (r + 1) * args.requests]
         times = {}
-        for name, model, gc in (("plain", base, plain_gc), ("drafts", ours, draft_gc)):
+        for name, model, gc in arms:
             planned.clear()
             with record_paged_drafts(model) as trace:
                 wall, cpu = time.perf_counter(), time.process_time()
@@ -80,17 +93,18 @@ def main():
             tokens = [o.generated_tokens for o in out.values()]  # in the order the prompts were sent
             times[name] = (wall, tokens)
             line = f"round {r} {name:6s}: {wall:6.2f} s wall, {cpu:6.2f} s CPU"
+            if name != "plain":
+                line += f", same tokens as plain: {tokens == times['plain'][1]}"
             if name == "drafts":
-                measured = [s for _, drafted, _, s in trace.steps if drafted]
-                pairs = list(zip(measured, planned))
+                pairs = [(trace.steps[i][3], e) for i, e in planned.items() if i < len(trace.steps)]
                 errors += [m / e for m, e in pairs]
-                same = tokens == times["plain"][1]
-                line += f", drafted {trace.drafted}, accepted {trace.accepted}, same tokens as plain: {same}"
+                line += f", drafted {trace.drafted}, accepted {trace.accepted}"
                 if pairs:
                     line += f", measured/predicted step seconds median {statistics.median(m / e for m, e in pairs):.2f}"
             print(line, flush=True)
         ratios.append(times["plain"][0] / times["drafts"][0])
-        print(f"round {r}: drafts {ratios[-1]:.2f}x plain", flush=True)
+        off_ratio = f", off {times['plain'][0] / times['off'][0]:.2f}x" if "off" in times else ""
+        print(f"round {r}: drafts {ratios[-1]:.2f}x plain{off_ratio}", flush=True)
     print(f"x plain per round: {', '.join(f'{x:.2f}' for x in ratios)}; median {statistics.median(ratios):.2f}")
     if errors:
         q = statistics.quantiles(errors, n=4)

@@ -407,8 +407,8 @@ class PackedCosts:
     `PACKED_STEPS` steps; until `PACKED_FIT_AFTER` steps are timed, the width table `costs` keyed by tokens.
 
     Keyed by tokens alone, a step of 32 decode tokens and 26 drafts looks like one of 32 and a 26-token prefill
-    chunk; on Gemma-3-270M (a 262k-word LM head, 1.7x the layers' work per row) the drafted one costs 1.3x more, so
-    the width table undercounted what drafts cost under load."""
+    chunk, though the drafted one also runs 26 more rows through the LM head (Gemma-3-270M's has 262k words) and 26
+    more queries over every key: the width table undercounted what drafts cost under load (BENCHMARKS.md 6e)."""
 
     def __init__(self, costs: StepCosts):
         self.table, self.samples, self._fit = costs, deque(maxlen=PACKED_STEPS), None

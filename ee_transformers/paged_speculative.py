@@ -350,7 +350,7 @@ class PagedDrafts:
         self.step = {}
         chains = self._chains(requests_in_batch)
         rows = len(chains)  # the requests that get a new token: a logits row each
-        keys = sum(fs.state.position_offset + fs.query_length for fs in requests_in_batch)  # what attention reads
+        keys = max_kv_read + num_q_tokens  # what attention reads: the cache the scheduler counted, and the step
         if any(chain is not None for _, chain in chains):
             if self.settings.gate:  # every request with a new token produces one: those without a chain too
 
