@@ -12,6 +12,10 @@ run it prints both wall times, the median plain step, the median seconds of our 
 drafted round as `k<width>:<ms>/+<slowest row's advance>`, what the gate expected of each drafted round (the mean
 tokens of the rows that set the pace, and its cost against a plain round's) and the per-round seconds of the lookups.
 The gate's measured costs persist in the process across runs, as in `bench-lossless`.
+
+`--rule slowest` plans with a proposed rule in place of `plan_padded`'s mean (a probe, not the library's gate): a
+width is valued by the expected advance of the slowest row, `1 + sum_n prod_rows P(drafts 0..n-1 kept)` over the rows
+that set the pace, taken as level and independent.
 """
 
 import argparse
@@ -23,6 +27,7 @@ import time
 import torch
 from transformers import AutoTokenizer, LogitsProcessorList
 
+import ee_transformers.drafts as drafts
 import ee_transformers.speculative_early_exit as spec
 from ee_transformers.measure.loading import load_models, make_batches
 from ee_transformers.measure.timing import greedy_generation_config, without_eos
@@ -42,6 +47,22 @@ class _Stamps:
         return scores
 
 
+def plan_slowest(probs, pace, cost):
+    """`plan_padded` with the expected advance of the slowest pace-setting row in place of the rows' mean."""
+    lead = [p for p, a in zip(probs, pace) if a]
+    widest = min((len(p) for p in lead), default=0)  # a row without a draft at n keeps the batch's advance below n
+    plain, best, best_w, advance = 1.0 / cost(1), 0.0, 0, 1.0
+    for w in range(1, widest + 1):
+        kept = 1.0
+        for p in lead:
+            kept *= p[w - 1]
+        advance += kept
+        rate = advance / cost(w + 1)
+        if rate > best:
+            best, best_w = rate, w
+    return best_w if best > drafts.MARGIN * plain else 0
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True)
@@ -50,6 +71,7 @@ def main():
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--lookup", type=int, default=4, help="prompt_lookup_num_tokens")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--rule", choices=["mean", "slowest"], default="mean", help="the gate's rule (see above)")
     args = parser.parse_args()
     torch.set_num_threads(2)
     ee, plain = load_models(args.model, exit_layers=[0])
@@ -61,12 +83,13 @@ def main():
     batches = make_batches(prompts, args.batch_size, max_batches=16 // args.batch_size)
 
     gate_log, rounds, lookup = [], [], collections.Counter()
-    plan_padded, verify_and_commit, copied_drafts = spec.plan_padded, spec._verify_and_commit, spec.copied_drafts
+    plan_padded = plan_slowest if args.rule == "slowest" else spec.plan_padded
+    verify_and_commit, copied_drafts = spec._verify_and_commit, spec.copied_drafts
 
     def logged_plan(probs, pace, cost):
         w = plan_padded(probs, pace, cost)
         lead = [p for p, a in zip(probs, pace) if a]
-        expected = 1 + sum(sum(p[:w]) for p in lead) / len(lead) if w else 1.0
+        expected = 1 + sum(sum(p[:w]) for p in lead) / len(lead) if w else 1.0  # the mean rule's expectation
         gate_log.append(dict(w=w, plain=cost(1), cost=cost(w + 1), expected=expected, pace=len(lead)))
         return w
 
