@@ -8,7 +8,8 @@ The setting of 5e's batch-8 rows: a plain model (one untrained exit head, unused
 `--table-from`, held-out prompts of `--domain` (16 windows of 64 tokens, batches of `--batch-size`), 64 new tokens,
 greedy, no EOS, prompt lookup N=`--lookup` G=3 with table drafts. Each batch runs plain `generate` and ours in turn,
 ours from an empty history index (the same prompts repeat: remembering its own answers would measure memory). Per
-run it prints both wall times, the median plain step, the median seconds of our rounds that did not draft, every
+run it prints both wall times, the median plain step, the median seconds of our rounds that did not draft (a round's
+seconds: its verification and commit; the lookups are printed apart, the rest is about 1 ms), every
 drafted round as `k<width>:<ms>/+<slowest row's advance>`, what the gate expected of each drafted round (the mean
 tokens of the rows that set the pace, and its cost against a plain round's) and the per-round seconds of the lookups.
 The gate's measured costs persist in the process across runs, as in `bench-lossless`.
@@ -21,6 +22,7 @@ that set the pace, taken as level and independent.
 import argparse
 import collections
 import copy
+import math
 import statistics
 import time
 
@@ -50,13 +52,10 @@ class _Stamps:
 def plan_slowest(probs, pace, cost):
     """`plan_padded` with the expected advance of the slowest pace-setting row in place of the rows' mean."""
     lead = [p for p, a in zip(probs, pace) if a]
-    widest = min((len(p) for p in lead), default=0)  # a row without a draft at n keeps the batch's advance below n
+    reach = min((len(p) for p in lead), default=0)  # a row without a draft at n keeps the batch's advance below n
     plain, best, best_w, advance = 1.0 / cost(1), 0.0, 0, 1.0
-    for w in range(1, widest + 1):
-        kept = 1.0
-        for p in lead:
-            kept *= p[w - 1]
-        advance += kept
+    for w in range(1, reach + 1):
+        advance += math.prod(p[w - 1] for p in lead)
         rate = advance / cost(w + 1)
         if rate > best:
             best, best_w = rate, w
@@ -124,7 +123,7 @@ def main():
                     logits_processor=LogitsProcessorList([stamps]),
                 )
                 plain_s = time.perf_counter() - start
-                steps = [b - a for a, b in zip(stamps.times, stamps.times[1:])]
+                steps = [t1 - t0 for t0, t1 in zip(stamps.times, stamps.times[1:])]
                 ee.drafter.history.clear()
                 gate_log.clear(), rounds.clear(), lookup.clear()
                 start = time.perf_counter()
@@ -140,7 +139,8 @@ def main():
                     f", ours {ours_s:.2f} s: {plain_s / ours_s:.2f}x plain, identical={same}; {len(rounds)} rounds, "
                     f"{len(drafted)} drafted; lookups {1000 * lookup['seconds'] / len(rounds):.2f} ms per round"
                 )
-                print(f"  rounds without drafts: median {1000 * statistics.median(flat):.0f} ms")
+                if flat:
+                    print(f"  rounds without drafts: median {1000 * statistics.median(flat):.0f} ms")
                 print(
                     "  drafted rounds: " + " ".join(f"k{r['k']}:{1000 * r['s']:.0f}ms/+{r['advance']}" for r in drafted)
                 )
