@@ -9,7 +9,7 @@ The setting of 5e's batch-8 rows: a plain model (one untrained exit head, unused
 greedy, no EOS, prompt lookup N=`--lookup` G=3 with table drafts. Each batch runs plain `generate` and ours in turn,
 ours from an empty history index (the same prompts repeat: remembering its own answers would measure memory). Per
 run it prints both wall times, the median plain step, the median seconds of our rounds that did not draft (a round's
-seconds: its verification and commit; the lookups are printed apart, the rest is about 1 ms), every
+seconds: its verification and commit; the lookups are printed apart, the rest of a round is not timed), every
 drafted round as `k<width>:<ms>/+<slowest row's advance>`, what the gate expected of each drafted round (the mean
 tokens of the rows that set the pace, and its cost against a plain round's) and the per-round seconds of the lookups.
 The gate's measured costs persist in the process across runs, as in `bench-lossless`.
