@@ -218,10 +218,10 @@ def run_lossless(ee, plain, prompts, config: LosslessConfig, log=print) -> dict:
         for batch_size in config.batch_sizes:
             rows = [r for r in lossless_rows(config) if batch_size == 1 or not r["batch_1_only"]]
             if config.workload == "repeated":  # every request, in order, in batches of consecutive requests
-                batches = make_batches(prompts, batch_size, max_batches=-(-len(prompts) // batch_size))
+                batches = make_batches(prompts, batch_size, -(-len(prompts) // batch_size), ee.device)
                 results += measure_workload(ee, plain, batches, rows, generation_config, config.rounds, log)
                 continue
-            batches = make_batches(prompts, batch_size, max_batches=max(1, config.num_prompts // batch_size))
+            batches = make_batches(prompts, batch_size, max(1, config.num_prompts // batch_size), ee.device)
             results += measure_rows(ee, plain, batches, rows, generation_config, config.rounds, log)
     return {"config": asdict(config), "results": results}
 
