@@ -208,8 +208,11 @@ def _compare_many(ee_model, plain_model, batches, variants, config, repeats, cos
     new_tokens = config.new_tokens
     batch_size = batches[0][0].shape[0]
     if config.warmup:  # first calls pay one-off allocation and dispatch costs
+        # on a GPU a 3-token warm-up left plain's first full-length run at twice its later ms per step (H200, the
+        # 8B shape: 47.8 against 22.8, BENCHMARKS.md section 3): warm up at the timed length there
+        steps = new_tokens if plain_model.device.type == "cuda" else min(new_tokens, 3)
         for batch in batches[:1]:
-            _warm_up(ee_model, plain_model, batch, variants, min(new_tokens, 3))
+            _warm_up(ee_model, plain_model, batch, variants, steps)
     per = [defaultdict(list) for _ in variants]
     plain_ms = []
     # one set of generate arguments per variant for the whole comparison: a forced profile's stratified draws run on
