@@ -20,13 +20,14 @@ default, written to `speculative.md` / `speculative.json`): forced acceptance on
 the model whose layers above E pass the residual through (still computed, at full cost) accepts every draft, and the
 same copy with the draft head turned wrong for 40% of its drafts accepts ~60%; for E in the exits and K = 2, 4, against
 plain generate, and at batch 1 against transformers' own `assistant_early_exit`, with realised / ideal under the cost
-model measured in the same run (`ee_transformers.tools.bench.speculative`). This has not been run on a GPU yet.
+model measured in the same run (`ee_transformers.tools.bench.speculative`). Batch 1 of these rows was run on an
+H200 (BENCHMARKS.md section 3); batch 8 and above were not reached.
 
 Each batch size runs plain, c1, plain, c2, ... (13 configurations at batch > 1, 9 at batch 1) per repeat, so one
 batch size takes roughly 27 x repeats generate calls plus the cost model and profiles; where one command may only run
 for a few minutes, run the batch sizes in separate commands (`--batch-sizes 1`, then `--batch-sizes 8`, ...: each
 writes its own `--out`). Results (JSON, markdown table) are written after every batch size, so a run cut short keeps
-what it finished. Nothing from this script is in BENCHMARKS.md until it has actually been run on a GPU.
+what it finished. One short run (batch 1, 8, 32, one repeat) is in BENCHMARKS.md section 3, with its machine.
 """
 
 import argparse
