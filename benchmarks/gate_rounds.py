@@ -14,7 +14,9 @@ drafted round as `k<width>:<ms>/+<slowest row's advance>`, what the gate expecte
 tokens of the rows that set the pace, and its cost against a plain round's) and the per-round seconds of the lookups.
 The gate's measured costs persist in the process across runs, as in `bench-lossless`.
 
-`--rule slowest` plans with a proposed rule in place of `plan_padded`'s mean (a probe, not the library's gate): a
+`--rule mean` is the library's gate (`plan_padded_fresh`: the mean rule, the plain width timed afresh where it is
+stale or was never timed); `--rule unrefreshed` the gate before that refresh (`plan_padded` on whatever plain timings
+it has). `--rule slowest` plans with a proposed rule in place of `plan_padded`'s mean (a probe, not the library's gate): a
 width is valued by the expected advance of the slowest row, `1 + sum_n prod_rows P(drafts 0..n-1 kept)` over the rows
 that set the pace, taken as level and independent.
 """
@@ -70,7 +72,9 @@ def main():
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--lookup", type=int, default=4, help="prompt_lookup_num_tokens")
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--rule", choices=["mean", "slowest"], default="mean", help="the gate's rule (see above)")
+    parser.add_argument(
+        "--rule", choices=["mean", "slowest", "unrefreshed"], default="mean", help="the gate's rule (see above)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(2)
     ee, plain = load_models(args.model, exit_layers=[0])
@@ -82,11 +86,20 @@ def main():
     batches = make_batches(prompts, args.batch_size, max_batches=16 // args.batch_size)
 
     gate_log, rounds, lookup = [], [], collections.Counter()
-    plan_padded = plan_slowest if args.rule == "slowest" else spec.plan_padded
+    rule = plan_slowest if args.rule == "slowest" else drafts.plan_padded
+    fresh, mean_rule = drafts.plan_padded_fresh, drafts.plan_padded
     verify_and_commit, copied_drafts = spec._verify_and_commit, spec.copied_drafts
 
-    def logged_plan(probs, pace, cost):
-        w = plan_padded(probs, pace, cost)
+    def logged_plan(probs, pace, costs, group):
+        cost = lambda width: costs.cost((*group, width))  # noqa: E731
+        if args.rule == "unrefreshed":  # the gate before plan_padded_fresh: plain costs as old as they are
+            w = mean_rule(probs, pace, cost)
+        else:
+            drafts.plan_padded = rule  # plan_padded_fresh's rule
+            try:
+                w = fresh(probs, pace, costs, group)
+            finally:
+                drafts.plan_padded = mean_rule
         lead = [p for p, a in zip(probs, pace) if a]
         expected = 1 + sum(sum(p[:w]) for p in lead) / len(lead) if w else 1.0  # the mean rule's expectation
         gate_log.append(dict(w=w, plain=cost(1), cost=cost(w + 1), expected=expected, pace=len(lead)))
@@ -107,7 +120,7 @@ def main():
         lookup["seconds"] += time.perf_counter() - start
         return out
 
-    spec.plan_padded, spec._verify_and_commit, spec.copied_drafts = logged_plan, logged_round, timed_lookup
+    spec.plan_padded_fresh, spec._verify_and_commit, spec.copied_drafts = logged_plan, logged_round, timed_lookup
     with without_eos(ee, plain):
         config = greedy_generation_config(plain, 64, clear_exit_settings=True)
         ours = copy.deepcopy(config)

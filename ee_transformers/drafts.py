@@ -58,6 +58,8 @@ SAMPLES = 9  # timings kept per width (the median is used)
 TRUSTED = 3  # timings after which a width's median alone is its cost
 PACKED_STEPS = 256  # the latest packed steps `PackedCosts` fits
 PACKED_FIT_AFTER = 8  # packed steps timed before the fit replaces the width table
+PLAIN_REFRESH = 16  # a plain width's timing older than this many timed rounds is stale ...
+REFRESH_BAND = 1.25  # ... and a round drafting for less than this gain over it decodes plainly to time it afresh
 
 
 @dataclass
@@ -376,13 +378,21 @@ class StepCosts:
 
     def __init__(self):
         self.samples: dict[tuple, dict[int, deque]] = {}
+        self.clock, self.latest = 0, {}  # timings so far; the clock at each key's latest
 
     def observe(self, key: tuple, seconds: float) -> None:
         group, width = key[:-1], int(key[-1])
         self.samples.setdefault(group, {}).setdefault(width, deque(maxlen=SAMPLES)).append(float(seconds))
+        self.clock += 1
+        self.latest[(*group, width)] = self.clock
 
     def measured(self, key: tuple) -> bool:
         return int(key[-1]) in self.samples.get(key[:-1], {})
+
+    def age(self, key: tuple) -> int | None:
+        """Timings (of any key) since `key`'s latest; None when it was never timed."""
+        latest = self.latest.get((*key[:-1], int(key[-1])))
+        return None if latest is None else self.clock - latest
 
     def cost(self, key: tuple) -> float:
         """The median measured seconds of `key`; between measured widths linearly interpolated; beyond them (or with
@@ -505,6 +515,22 @@ def plan_packed(probs: Sequence[Sequence[float]], base_tokens: int, cost: Callab
     return ks
 
 
+def plan_padded_fresh(probs: Sequence[Sequence[float]], pace: Sequence[bool], costs: StepCosts, group: tuple) -> int:
+    """`plan_padded` on `costs`' widths of `group` (keys `(*group, width)`), with the plain width kept fresh: a round
+    decodes plainly (0), and so times the plain width, when that width was never timed in the group (its estimate
+    would come from wider rounds by the prior's slope), or when its timing is `PLAIN_REFRESH` timings old and drafting
+    wins by less than `REFRESH_BAND`: a drift of the machine since then, or a batch of another speed, could have
+    turned that gain into a loss, and once drafting wins nothing else would time plain again."""
+    cost = lambda width: costs.cost((*group, width))  # noqa: E731
+    w = plan_padded(probs, pace, cost)
+    age = costs.age((*group, 1))
+    if w and age is None:
+        return 0
+    if w and age >= PLAIN_REFRESH and not plan_padded(probs, pace, lambda x: cost(x) * (REFRESH_BAND if x > 1 else 1)):
+        return 0
+    return w
+
+
 def pace_setters(lengths: Sequence[int], active: Sequence[bool], slack: int = 1) -> list[bool]:
     """The active rows that set a batch's pace: those at most `slack` tokens ahead of the shortest active row (the
     batch ends when its slowest row does)."""
@@ -525,4 +551,5 @@ __all__ = [
     "peers_of",
     "plan_packed",
     "plan_padded",
+    "plan_padded_fresh",
 ]

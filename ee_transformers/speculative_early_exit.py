@@ -77,7 +77,7 @@ from transformers.utils import logging
 
 from .decode_core import deprecated_aliases, run_layers
 from .decode_loop import DecodeLoop, GenerateEarlyExitOutput, require_cache
-from .drafts import pace_setters, plan_padded
+from .drafts import pace_setters, plan_padded_fresh
 from .request import (  # the settings of this mode live in the resolver; importable from here as before
     DRAFT_SOURCES,
     GATE_FIELD,
@@ -341,7 +341,7 @@ def _exit_round(model, settings, batch, cache, k, drafting, context, counts, log
 
 def _plan(model, settings, batch, texts, active, budgets, capacity, cache):
     """This round's drafts: (context drafts, their counts, k, whether the exit head drafts, from the table, from the
-    history, the chains) for the active rows. Without exit drafts the gate picks k (`drafts.plan_padded`: 0 decodes
+    history, the chains) for the active rows. Without exit drafts the gate picks k (`drafts.plan_padded_fresh`: 0 decodes
     this round plainly)."""
     room = (batch.max_length - batch.length - 1).clamp_min(0) * active  # drafts beyond it could never be committed
     chains = [None] * batch.batch_size
@@ -354,8 +354,8 @@ def _plan(model, settings, batch, texts, active, budgets, capacity, cache):
     if settings.gate and not use_exit and widest:
         rows = batch.live.numel()
         pace = pace_setters(batch.length.tolist(), running)
-        cost = lambda width: model.drafter.costs.cost(("context", rows, width))  # noqa: E731
-        k = plan_padded([c.probs if c is not None else [] for c in chains], pace, cost)
+        probs = [c.probs if c is not None else [] for c in chains]
+        k = plan_padded_fresh(probs, pace, model.drafter.costs, ("context", rows))
     context, counts, table, history = _chain_tensors(chains, k, batch.tokens)
     if use_exit:
         k = max(k, min(int(budgets["exit"][active].max()), int(room.max())))
