@@ -14,17 +14,16 @@ drafted round as `k<width>:<ms>/+<slowest row's advance>`, what the gate expecte
 tokens of the rows that set the pace, and its cost against a plain round's) and the per-round seconds of the lookups.
 The gate's measured costs persist in the process across runs, as in `bench-lossless`.
 
-`--rule mean` is the library's gate (`plan_padded_fresh`: the mean rule, the plain width timed afresh where it is
-stale or was never timed); `--rule unrefreshed` the gate before that refresh (`plan_padded` on whatever plain timings
-it has). `--rule slowest` plans with a proposed rule in place of `plan_padded`'s mean (a probe, not the library's gate): a
-width is valued by the expected advance of the slowest row, `1 + sum_n prod_rows P(drafts 0..n-1 kept)` over the rows
-that set the pace, taken as level and independent.
+`--rule gate` is the library's gate (`drafts.plan_padded_fresh`: the plain width timed afresh where it is stale or
+was never timed; a pace row's drafts beyond the slowest row's weighted by `BEYOND_SLOWEST`); `--rule fresh-mean` the
+same with every pace row's drafts counted in full (the rows' mean); `--rule slowest` with the slowest row's alone;
+`--rule unrefreshed` the gate before the refresh (the rows' mean, on whatever plain timings it has). The outputs of
+5e's first probes (`mean.txt`, `slowest.txt`, `python-*.txt`) came from the unrefreshed mean and slowest rules.
 """
 
 import argparse
 import collections
 import copy
-import math
 import statistics
 import time
 
@@ -51,19 +50,6 @@ class _Stamps:
         return scores
 
 
-def plan_slowest(probs, pace, cost):
-    """`plan_padded` with the expected advance of the slowest pace-setting row in place of the rows' mean."""
-    lead = [p for p, a in zip(probs, pace) if a]
-    reach = min((len(p) for p in lead), default=0)  # a row without a draft at n keeps the batch's advance below n
-    plain, best, best_w, advance = 1.0 / cost(1), 0.0, 0, 1.0
-    for w in range(1, reach + 1):
-        advance += math.prod(p[w - 1] for p in lead)
-        rate = advance / cost(w + 1)
-        if rate > best:
-            best, best_w = rate, w
-    return best_w if best > drafts.MARGIN * plain else 0
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True)
@@ -73,7 +59,10 @@ def main():
     parser.add_argument("--lookup", type=int, default=4, help="prompt_lookup_num_tokens")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument(
-        "--rule", choices=["mean", "slowest", "unrefreshed"], default="mean", help="the gate's rule (see above)"
+        "--rule",
+        choices=["gate", "fresh-mean", "unrefreshed", "slowest"],
+        default="gate",
+        help="the gate's rule (see above)",
     )
     args = parser.parse_args()
     torch.set_num_threads(2)
@@ -86,20 +75,22 @@ def main():
     batches = make_batches(prompts, args.batch_size, max_batches=16 // args.batch_size)
 
     gate_log, rounds, lookup = [], [], collections.Counter()
-    rule = plan_slowest if args.rule == "slowest" else drafts.plan_padded
     fresh, mean_rule = drafts.plan_padded_fresh, drafts.plan_padded
+    beyond = {"gate": drafts.BEYOND_SLOWEST, "fresh-mean": 1.0, "slowest": 0.0}.get(args.rule)
     verify_and_commit, copied_drafts = spec._verify_and_commit, spec.copied_drafts
 
     def logged_plan(probs, pace, costs, group):
         cost = lambda width: costs.cost((*group, width))  # noqa: E731
-        if args.rule == "unrefreshed":  # the gate before plan_padded_fresh: plain costs as old as they are
+        if (
+            args.rule == "unrefreshed"
+        ):  # the gate before plan_padded_fresh: the mean rule, plain costs as old as they are
             w = mean_rule(probs, pace, cost)
         else:
-            drafts.plan_padded = rule  # plan_padded_fresh's rule
+            saved, drafts.BEYOND_SLOWEST = drafts.BEYOND_SLOWEST, beyond
             try:
                 w = fresh(probs, pace, costs, group)
             finally:
-                drafts.plan_padded = mean_rule
+                drafts.BEYOND_SLOWEST = saved
         lead = [p for p, a in zip(probs, pace) if a]
         expected = 1 + sum(sum(p[:w]) for p in lead) / len(lead) if w else 1.0  # the mean rule's expectation
         gate_log.append(dict(w=w, plain=cost(1), cost=cost(w + 1), expected=expected, pace=len(lead)))

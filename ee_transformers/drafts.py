@@ -41,6 +41,7 @@ Part of the Hub runtime: imports only torch.
 """
 
 import bisect
+import math
 import os
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -60,6 +61,7 @@ PACKED_STEPS = 256  # the latest packed steps `PackedCosts` fits
 PACKED_FIT_AFTER = 8  # packed steps timed before the fit replaces the width table
 PLAIN_REFRESH = 16  # a plain width's timing older than this many timed rounds is stale ...
 REFRESH_BAND = 1.25  # ... and a round drafting for less than this gain over it decodes plainly to time it afresh
+BEYOND_SLOWEST = 0.5  # the gate's weight of a pace row's drafts beyond what the slowest row keeps (plan_padded)
 
 
 @dataclass
@@ -480,17 +482,24 @@ def _median(values):
 # ---------------------------------------------------------------------------------------------------------------------
 # the gate
 # ---------------------------------------------------------------------------------------------------------------------
-def plan_padded(probs: Sequence[Sequence[float]], pace: Sequence[bool], cost: Callable[[int], float]) -> int:
+def plan_padded(
+    probs: Sequence[Sequence[float]], pace: Sequence[bool], cost: Callable[[int], float], beyond: float = 1.0
+) -> int:
     """Drafts per row, w, of a round that feeds every row w + 1 positions (`cost(w + 1)` seconds): the w whose
-    expected tokens per second, averaged over the rows that set the pace (`pace`), is highest; 0 (a plain step)
-    unless drafting beats it by `MARGIN`."""
+    expected advance per second is highest; 0 (a plain step) unless drafting beats it by `MARGIN`. `probs[r][j]`:
+    the chance that row r keeps its drafts 0..j. The advance counts the rows that set the pace (`pace`): the drafts
+    all of them keep (the slowest row's, the rows taken as independent: the batch moves with it) in full, and each
+    row's drafts beyond those weighted by `beyond` (1: the rows' mean; 0: the slowest row's alone). A row that gets
+    ahead of the slowest moves the batch only later, when it drops out of the pace or finishes early."""
     rows = [p for p, lead in zip(probs, pace) if lead]
     widest = max((len(p) for p in rows), default=0)
     if not widest:
         return 0
-    plain, best, best_w = 1.0 / cost(1), 0.0, 0
+    plain, best, best_w, slowest = 1.0 / cost(1), 0.0, 0, 0.0
     for w in range(1, widest + 1):
-        rate = (1.0 + sum(sum(p[:w]) for p in rows) / len(rows)) / cost(w + 1)
+        slowest += math.prod(p[w - 1] if w <= len(p) else 0.0 for p in rows)
+        mean = sum(sum(p[:w]) for p in rows) / len(rows)
+        rate = (1.0 + slowest + beyond * (mean - slowest)) / cost(w + 1)
         if rate > best:
             best, best_w = rate, w
     return best_w if best > MARGIN * plain else 0
@@ -516,17 +525,19 @@ def plan_packed(probs: Sequence[Sequence[float]], base_tokens: int, cost: Callab
 
 
 def plan_padded_fresh(probs: Sequence[Sequence[float]], pace: Sequence[bool], costs: StepCosts, group: tuple) -> int:
-    """`plan_padded` on `costs`' widths of `group` (keys `(*group, width)`), with the plain width kept fresh: a round
+    """`plan_padded` (drafts beyond the slowest row's weighted by `BEYOND_SLOWEST`) on `costs`' widths of `group` (keys
+    `(*group, width)`), with the plain width kept fresh: a round
     decodes plainly (0), and so times the plain width, when that width was never timed in the group (its estimate
     would come from wider rounds by the prior's slope), or when its timing is `PLAIN_REFRESH` timings old and drafting
     wins by less than `REFRESH_BAND`: a drift of the machine since then, or a batch of another speed, could have
     turned that gain into a loss, and once drafting wins nothing else would time plain again."""
     cost = lambda width: costs.cost((*group, width))  # noqa: E731
-    w = plan_padded(probs, pace, cost)
+    w = plan_padded(probs, pace, cost, BEYOND_SLOWEST)
     age = costs.age((*group, 1))
     if w and age is None:
         return 0
-    if w and age >= PLAIN_REFRESH and not plan_padded(probs, pace, lambda x: cost(x) * (REFRESH_BAND if x > 1 else 1)):
+    banded = lambda x: cost(x) * (REFRESH_BAND if x > 1 else 1)  # noqa: E731
+    if w and age >= PLAIN_REFRESH and not plan_padded(probs, pace, banded, BEYOND_SLOWEST):
         return 0
     return w
 

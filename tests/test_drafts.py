@@ -176,6 +176,11 @@ def test_the_padded_gate_drafts_only_where_it_pays():
     # the rows that set the pace decide: a fast row ahead of a row with nothing to draft does not make it pay
     assert plan_padded([[0.9, 0.9], []], [False, True], steep) == 0
     assert pace_setters([10, 12, 11, 10], [True, True, False, True]) == [True, False, False, True]
+    # two level rows, one with a likely draft: the batch moves only with the other, so the draft is worth less
+    one_of_two, cost = [[0.9], []], lambda width: 1.0 + 0.3 * (width - 1)  # noqa: E731
+    assert plan_padded(one_of_two, [True, True], cost) == 1  # the rows' mean: 1.45 / 1.3
+    assert plan_padded(one_of_two, [True, True], cost, beyond=0.5) == 0  # 1.225 / 1.3: a plain step
+    assert plan_padded([[0.9], [0.9]], [True, True], cost, beyond=0.0) == 1  # both keep it: 1 + 0.81, all of it
 
 
 def test_the_padded_gate_times_a_stale_or_unknown_plain_width_before_a_marginal_draft():
@@ -183,22 +188,25 @@ def test_the_padded_gate_times_a_stale_or_unknown_plain_width_before_a_marginal_
     for _ in range(TRUSTED):  # the wider widths timed, plain never: its estimate would be the prior's guess
         costs.observe((*group, 2), 1.5)
         costs.observe((*group, 3), 1.65)
-    sure, marginal = [[0.99, 0.99]] * 8, [[0.7, 0.1]] * 8  # 2.98 / 1.65 against plain; 1.7 / 1.5 = 1.13x
-    assert costs.age((*group, 1)) is None and plan_padded_fresh(sure, [True] * 8, costs, group) == 0
+    sure, marginal = (
+        [[0.99, 0.99]],
+        [[0.7, 0.1]],
+    )  # the one row that sets the pace  # 2.98 / 1.65 against plain; 1.7 / 1.5 = 1.13x
+    assert costs.age((*group, 1)) is None and plan_padded_fresh(sure, [True], costs, group) == 0
     for _ in range(TRUSTED):
         costs.observe((*group, 1), 1.0)
     assert costs.age((*group, 1)) == 0
-    assert plan_padded_fresh(sure, [True] * 8, costs, group) == 2
-    assert plan_padded_fresh(marginal, [True] * 8, costs, group) == 1  # fresh: 1.13x > MARGIN, it drafts
+    assert plan_padded_fresh(sure, [True], costs, group) == 2
+    assert plan_padded_fresh(marginal, [True], costs, group) == 1  # fresh: 1.13x > MARGIN, it drafts
     for _ in range(PLAIN_REFRESH):  # drafted rounds since the latest plain one
         costs.observe((*group, 2), 1.5)
     assert costs.age((*group, 1)) == PLAIN_REFRESH
     assert 1.7 / 1.5 < REFRESH_BAND < 2.98 / 1.65
-    assert plan_padded_fresh(marginal, [True] * 8, costs, group) == 0  # stale and marginal: a plain round times it
-    assert plan_padded_fresh(sure, [True] * 8, costs, group) == 2  # stale, but drafting wins by far
+    assert plan_padded_fresh(marginal, [True], costs, group) == 0  # stale and marginal: a plain round times it
+    assert plan_padded_fresh(sure, [True], costs, group) == 2  # stale, but drafting wins by far
     costs.observe((*group, 1), 1.0)
-    assert plan_padded_fresh(marginal, [True] * 8, costs, group) == 1
-    assert plan_padded_fresh([[]] * 8, [True] * 8, costs, ("context", 3)) == 0  # nothing to draft: plain
+    assert plan_padded_fresh(marginal, [True], costs, group) == 1
+    assert plan_padded_fresh([[]], [True], costs, ("context", 3)) == 0  # nothing to draft: plain
 
 
 def test_the_packed_gate_adds_the_likeliest_drafts_first_and_shrinks_under_load():
