@@ -81,9 +81,7 @@ def main():
 
     def logged_plan(probs, pace, costs, group):
         cost = lambda width: costs.cost((*group, width))  # noqa: E731
-        if (
-            args.rule == "unrefreshed"
-        ):  # the gate before plan_padded_fresh: the mean rule, plain costs as old as they are
+        if args.rule == "unrefreshed":  # the gate before plan_padded_fresh: the mean, plain costs as old as they are
             w = mean_rule(probs, pace, cost)
         else:
             saved, drafts.BEYOND_SLOWEST = drafts.BEYOND_SLOWEST, beyond

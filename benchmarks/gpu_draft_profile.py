@@ -24,23 +24,34 @@ from ee_transformers.measure.timing import greedy_generation_config, without_eos
 SYNC_KEYS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync", "cudaLaunchKernel", "aten::item")
 
 
+def setup(tiny):
+    """(device, early-exit model, its plain twin, random prompts) at the 8B shape on the GPU, or tiny on the CPU."""
+    device = "cpu" if tiny else "cuda"
+    fields, exits = (TINY, EXITS_TINY) if tiny else (LLAMA3_8B, EXITS_8B)
+    ee, plain = build_model(fields, exits, torch.float32 if tiny else torch.bfloat16, device)
+    return device, ee, plain, random_prompts(fields["vocab_size"], 8, 64)
+
+
+def configs(plain):
+    """Plain greedy's generation config and ours with context drafts (64 new tokens)."""
+    cfg = greedy_generation_config(plain, 64, clear_exit_settings=True)
+    drafted = greedy_generation_config(plain, 64, clear_exit_settings=True)
+    drafted.update(prompt_lookup_num_tokens=4, max_matching_ngram_size=3, return_dict_in_generate=True)
+    return cfg, drafted
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--top", type=int, default=25)
     args = parser.parse_args()
-    device = "cpu" if args.tiny else "cuda"
-    fields, exits = (TINY, EXITS_TINY) if args.tiny else (LLAMA3_8B, EXITS_8B)
-    ee, plain = build_model(fields, exits, torch.float32 if args.tiny else torch.bfloat16, device)
-    prompts = random_prompts(fields["vocab_size"], 8, 64)
+    device, ee, plain, prompts = setup(args.tiny)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     sort = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
     with without_eos(ee, plain), torch.no_grad():
         for b in (1, 8):
             ids, mask, _ = make_batches(prompts, b, 1, device)[0]
-            cfg = greedy_generation_config(plain, 64, clear_exit_settings=True)
-            drafted = greedy_generation_config(plain, 64, clear_exit_settings=True)
-            drafted.update(prompt_lookup_num_tokens=4, max_matching_ngram_size=3, return_dict_in_generate=True)
+            cfg, drafted = configs(plain)
             for name, model, config in (("plain", plain, cfg), ("ours", ee, drafted)):
                 model.generate(ids, attention_mask=mask, generation_config=config)  # warm-up (and the gate's costs)
                 if device == "cuda":

@@ -6,8 +6,8 @@
 
 1. **Verification cost by width.** After a 64-token prefill at batch B, one full-depth forward of w positions per
    row (w = 1 is a plain decode step), median of timed calls with the device synchronised, as a ratio to w = 1. This
-   is what the gate (`drafts.plan_padded`) weighs: a round of w positions pays when the slowest row's expected
-   accepted drafts exceed cost(w) / cost(1) - 1.
+   is what the gate (`drafts.plan_padded`) weighs: a round of w positions pays when the batch's expected advance
+   beyond one token exceeds cost(w) / cost(1) - 1.
 2. **Context drafts end to end** (`ee_transformers.measure.lossless.measure_rows`, the `bench-lossless` rows):
    `prompt_lookup_num_tokens=4, max_matching_ngram_size=3` with the gate and without it, and transformers' own prompt
    lookup at batch 1, each paired with plain greedy generate on the same modules, identical output asserted. The

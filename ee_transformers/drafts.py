@@ -495,10 +495,11 @@ def plan_padded(
     widest = max((len(p) for p in rows), default=0)
     if not widest:
         return 0
-    plain, best, best_w, slowest = 1.0 / cost(1), 0.0, 0, 0.0
+    plain, best, best_w, slowest, total = 1.0 / cost(1), 0.0, 0, 0.0, 0.0
     for w in range(1, widest + 1):
-        slowest += math.prod(p[w - 1] if w <= len(p) else 0.0 for p in rows)
-        mean = sum(sum(p[:w]) for p in rows) / len(rows)
+        kept = [p[w - 1] if w <= len(p) else 0.0 for p in rows]
+        slowest, total = slowest + math.prod(kept), total + sum(kept)
+        mean = total / len(rows)
         rate = (1.0 + slowest + beyond * (mean - slowest)) / cost(w + 1)
         if rate > best:
             best, best_w = rate, w
@@ -526,11 +527,11 @@ def plan_packed(probs: Sequence[Sequence[float]], base_tokens: int, cost: Callab
 
 def plan_padded_fresh(probs: Sequence[Sequence[float]], pace: Sequence[bool], costs: StepCosts, group: tuple) -> int:
     """`plan_padded` (drafts beyond the slowest row's weighted by `BEYOND_SLOWEST`) on `costs`' widths of `group` (keys
-    `(*group, width)`), with the plain width kept fresh: a round
-    decodes plainly (0), and so times the plain width, when that width was never timed in the group (its estimate
-    would come from wider rounds by the prior's slope), or when its timing is `PLAIN_REFRESH` timings old and drafting
-    wins by less than `REFRESH_BAND`: a drift of the machine since then, or a batch of another speed, could have
-    turned that gain into a loss, and once drafting wins nothing else would time plain again."""
+    `(*group, width)`), with the plain width kept fresh: a round decodes plainly (0), and so times the plain width,
+    when that width was never timed in the group (its estimate would come from wider rounds by the prior's slope), or
+    when its timing is `PLAIN_REFRESH` timings old and drafting wins by less than `REFRESH_BAND`: a drift of the
+    machine since then, or a batch of another speed, could have turned that gain into a loss, and once drafting wins
+    nothing else would time plain again."""
     cost = lambda width: costs.cost((*group, width))  # noqa: E731
     w = plan_padded(probs, pace, cost, BEYOND_SLOWEST)
     age = costs.age((*group, 1))

@@ -134,7 +134,7 @@ def test_sampling_with_table_drafts_follows_the_full_models_distribution(tmp_pat
         speculative_gate=False,
         return_dict_in_generate=True,
         **kwargs,
-    )  # fmt: skip  (no gate: a new model's first rounds decode plainly to time the plain width, and this has two)
+    )  # no gate: a new model's first rounds decode plainly to time the plain width, and this call has two
     rate = float(out.table_accepted_tokens.sum() / out.table_draft_tokens.sum())
     assert 0.05 < rate < 0.95, rate  # the rule is exercised both ways
     assert chi_square_p(plain, pairs(out.sequences)) > 1e-3

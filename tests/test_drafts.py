@@ -188,10 +188,8 @@ def test_the_padded_gate_times_a_stale_or_unknown_plain_width_before_a_marginal_
     for _ in range(TRUSTED):  # the wider widths timed, plain never: its estimate would be the prior's guess
         costs.observe((*group, 2), 1.5)
         costs.observe((*group, 3), 1.65)
-    sure, marginal = (
-        [[0.99, 0.99]],
-        [[0.7, 0.1]],
-    )  # the one row that sets the pace  # 2.98 / 1.65 against plain; 1.7 / 1.5 = 1.13x
+    # one row sets the pace: 2.98 / 1.65 against plain; 1.7 / 1.5 = 1.13x
+    sure, marginal = [[0.99, 0.99]], [[0.7, 0.1]]
     assert costs.age((*group, 1)) is None and plan_padded_fresh(sure, [True], costs, group) == 0
     for _ in range(TRUSTED):
         costs.observe((*group, 1), 1.0)
