@@ -482,15 +482,27 @@ def _median(values):
 # ---------------------------------------------------------------------------------------------------------------------
 # the gate
 # ---------------------------------------------------------------------------------------------------------------------
+def cheapest_width(cost: Callable[[int], float], least: int, most: int = 0) -> int:
+    """The fed width (positions per row) in `least..most` of the lowest `cost`, the narrowest among equals: where the
+    machine's kernels are faster at a wider round, its extra positions are fillers, never accepted (on the 2-core CPU
+    of BENCHMARKS.md 5g, SmolLM2-135M at batch 1 verified 5 positions in 73 ms and 2 in 92)."""
+    return min(range(least, max(least, most) + 1), key=lambda width: (cost(width), width))
+
+
 def plan_padded(
-    probs: Sequence[Sequence[float]], pace: Sequence[bool], cost: Callable[[int], float], beyond: float = 1.0
+    probs: Sequence[Sequence[float]],
+    pace: Sequence[bool],
+    cost: Callable[[int], float],
+    beyond: float = 1.0,
+    most_fed: int = 0,
 ) -> int:
     """Drafts per row, w, of a round that feeds every row w + 1 positions (`cost(w + 1)` seconds): the w whose
     expected advance per second is highest; 0 (a plain step) unless drafting beats it by `MARGIN`. `probs[r][j]`:
     the chance that row r keeps its drafts 0..j. The advance counts the rows that set the pace (`pace`): the drafts
     all of them keep (the slowest row's, the rows taken as independent: the batch moves with it) in full, and each
     row's drafts beyond those weighted by `beyond` (1: the rows' mean; 0: the slowest row's alone). A row that gets
-    ahead of the slowest moves the batch only later, when it drops out of the pace or finishes early."""
+    ahead of the slowest moves the batch only later, when it drops out of the pace or finishes early. A round of w
+    drafts costs its `cheapest_width` up to `most_fed` positions (fillers after the drafts)."""
     rows = [p for p, lead in zip(probs, pace) if lead]
     widest = max((len(p) for p in rows), default=0)
     if not widest:
@@ -500,7 +512,7 @@ def plan_padded(
         kept = [p[w - 1] if w <= len(p) else 0.0 for p in rows]
         slowest, total = slowest + math.prod(kept), total + sum(kept)
         mean = total / len(rows)
-        rate = (1.0 + slowest + beyond * (mean - slowest)) / cost(w + 1)
+        rate = (1.0 + slowest + beyond * (mean - slowest)) / cost(cheapest_width(cost, w + 1, most_fed))
         if rate > best:
             best, best_w = rate, w
     return best_w if best > MARGIN * plain else 0
@@ -525,20 +537,22 @@ def plan_packed(probs: Sequence[Sequence[float]], base_tokens: int, cost: Callab
     return ks
 
 
-def plan_padded_fresh(probs: Sequence[Sequence[float]], pace: Sequence[bool], costs: StepCosts, group: tuple) -> int:
+def plan_padded_fresh(
+    probs: Sequence[Sequence[float]], pace: Sequence[bool], costs: StepCosts, group: tuple, most_fed: int = 0
+) -> int:
     """`plan_padded` (drafts beyond the slowest row's weighted by `BEYOND_SLOWEST`) on `costs`' widths of `group` (keys
     `(*group, width)`), with the plain width kept fresh: a round decodes plainly (0), and so times the plain width,
     when that width was never timed in the group (its estimate would come from wider rounds by the prior's slope), or
     when its timing is `PLAIN_REFRESH` timings old and drafting wins by less than `REFRESH_BAND`: a drift of the
     machine since then, or a batch of another speed, could have turned that gain into a loss, and once drafting wins
-    nothing else would time plain again."""
+    nothing else would time plain again. `most_fed`: as `plan_padded`'s."""
     cost = lambda width: costs.cost((*group, width))  # noqa: E731
-    w = plan_padded(probs, pace, cost, BEYOND_SLOWEST)
+    w = plan_padded(probs, pace, cost, BEYOND_SLOWEST, most_fed)
     age = costs.age((*group, 1))
     if w and age is None:
         return 0
     banded = lambda x: cost(x) * (REFRESH_BAND if x > 1 else 1)  # noqa: E731
-    if w and age >= PLAIN_REFRESH and not plan_padded(probs, pace, banded, BEYOND_SLOWEST):
+    if w and age >= PLAIN_REFRESH and not plan_padded(probs, pace, banded, BEYOND_SLOWEST, most_fed):
         return 0
     return w
 
@@ -559,6 +573,7 @@ __all__ = [
     "Drafter",
     "StepCosts",
     "SuffixIndex",
+    "cheapest_width",
     "pace_setters",
     "peers_of",
     "plan_packed",

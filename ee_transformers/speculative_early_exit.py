@@ -77,7 +77,7 @@ from transformers.utils import logging
 
 from .decode_core import deprecated_aliases, run_layers
 from .decode_loop import DecodeLoop, GenerateEarlyExitOutput, require_cache
-from .drafts import pace_setters, plan_padded_fresh
+from .drafts import cheapest_width, pace_setters, plan_padded_fresh
 from .request import (  # the settings of this mode live in the resolver; importable from here as before
     DRAFT_SOURCES,
     GATE_FIELD,
@@ -342,7 +342,8 @@ def _exit_round(model, settings, batch, cache, k, drafting, context, counts, log
 def _plan(model, settings, batch, texts, active, budgets, capacity, cache):
     """This round's drafts: (context drafts, their counts, k, whether the exit head drafts, from the table, from the
     history, the chains) for the active rows. Without exit drafts the gate picks k (`drafts.plan_padded_fresh`: 0 decodes
-    this round plainly)."""
+    this round plainly), and the round is fed at the cheapest measured width that holds k drafts: the rows' further
+    drafts, then fillers."""
     room = (batch.max_length - batch.length - 1).clamp_min(0) * active  # drafts beyond it could never be committed
     chains = [None] * batch.batch_size
     if settings.lookup_tokens:
@@ -355,7 +356,11 @@ def _plan(model, settings, batch, texts, active, budgets, capacity, cache):
         rows = batch.live.numel()
         pace = pace_setters(batch.length.tolist(), running)
         probs = [c.probs if c is not None else [] for c in chains]
-        k = plan_padded_fresh(probs, pace, model.drafter.costs, ("context", rows))
+        costs, group = model.drafter.costs, ("context", rows)
+        most = max(widest, min(settings.lookup_tokens, int(room.max()))) + 1  # the widest fed round
+        k = plan_padded_fresh(probs, pace, costs, group, most)
+        if k:  # fed at its cheapest width: the rows' further drafts, then fillers
+            k = cheapest_width(lambda width: costs.cost((*group, width)), k + 1, most) - 1
     context, counts, table, history = _chain_tensors(chains, k, batch.tokens)
     if use_exit:
         k = max(k, min(int(budgets["exit"][active].max()), int(room.max())))

@@ -17,6 +17,7 @@ from ee_transformers.drafts import (
     SuffixIndex,
     pace_setters,
     peers_of,
+    cheapest_width,
     plan_packed,
     plan_padded,
     plan_padded_fresh,
@@ -183,6 +184,23 @@ def test_the_padded_gate_drafts_only_where_it_pays():
     assert plan_padded([[0.9], [0.9]], [True, True], cost, beyond=0.0) == 1  # both keep it: 1 + 0.81, all of it
 
 
+def test_the_padded_gate_prices_a_round_at_its_cheapest_wider_width():
+    # kernels slow at 2-3 positions and fast at 5 (BENCHMARKS 5g's CPU): 1, 2, 3, 4, 5 positions
+    bumpy = {1: 1.0, 2: 1.8, 3: 2.1, 4: 1.55, 5: 1.35}.__getitem__
+    assert cheapest_width(bumpy, 2, 5) == 5 and cheapest_width(bumpy, 2, 3) == 2 and cheapest_width(bumpy, 2) == 2
+    assert cheapest_width(lambda width: 1.0, 2, 5) == 2  # equal costs: the narrowest
+    one_draft = [[0.8]]  # 1.8 tokens: at 2 positions 1.8 / 1.8, plain speed; fed 5 positions 1.8 / 1.35
+    assert plan_padded(one_draft, [True], bumpy) == 0
+    assert plan_padded(one_draft, [True], bumpy, most_fed=5) == 1
+    assert plan_padded([[0.9, 0.8, 0.5, 0.2]], [True], bumpy, most_fed=5) == 4  # every draft where they cost alike
+    costs, group = StepCosts(), ("context", 1)
+    for _ in range(TRUSTED):
+        for width in range(1, 6):
+            costs.observe((*group, width), bumpy(width))
+    assert plan_padded_fresh(one_draft, [True], costs, group) == 0
+    assert plan_padded_fresh(one_draft, [True], costs, group, most_fed=5) == 1
+
+
 def test_the_padded_gate_times_a_stale_or_unknown_plain_width_before_a_marginal_draft():
     group, costs = ("context", 8), StepCosts()
     for _ in range(TRUSTED):  # the wider widths timed, plain never: its estimate would be the prior's guess
@@ -270,6 +288,26 @@ def test_a_gated_round_is_one_plain_step(models):
         free = model.generate(ids, max_new_tokens=8, do_sample=False, prompt_lookup_num_tokens=3,
                               return_dict_in_generate=True, speculative_history_tokens=0)  # fmt: skip
         assert torch.equal(free.sequences, out.sequences) and len(free.draft_lengths) < 7
+    finally:
+        drafter.costs = saved
+
+
+def test_a_gated_round_is_fed_at_its_cheapest_width(models):
+    model, base = models("llama")
+    ids = base.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=9, do_sample=False)  # its own text: it repeats
+    drafter, saved = model.drafter, model.drafter.costs
+    drafter.history.clear()
+    drafter.costs = StepCosts()
+    try:
+        for _ in range(TRUSTED):  # 1 position 1 s, 2-3 positions 3 s, 4 positions 1.5 s: one draft pays only fed 4
+            for width, seconds in {1: 1.0, 2: 3.0, 3: 3.0, 4: 1.5}.items():
+                drafter.costs.observe(("context", 1, width), seconds)
+        out = model.generate(ids, max_new_tokens=8, do_sample=False, prompt_lookup_num_tokens=3,
+                             return_dict_in_generate=True, speculative_history_tokens=0)  # fmt: skip
+        assert torch.equal(out.sequences, base.generate(ids, max_new_tokens=8, do_sample=False))
+        drafted = [k for k in out.draft_lengths.tolist() if k]
+        assert drafted and set(drafted) == {3}  # never 1 or 2 drafts fed 2-3 positions: fed 4, drafts then fillers
+        assert int(out.draft_tokens.sum()) <= 3 * len(drafted)
     finally:
         drafter.costs = saved
 
