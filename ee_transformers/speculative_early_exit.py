@@ -360,7 +360,8 @@ def _plan(model, settings, batch, texts, active, budgets, capacity, cache):
         most = max(widest, min(settings.lookup_tokens, int(room.max()))) + 1  # the widest fed round
         k = plan_padded_fresh(probs, pace, costs, group, most)
         if k:  # fed at its cheapest width: the rows' further drafts, then fillers
-            k = cheapest_width(lambda width: costs.cost((*group, width)), k + 1, most) - 1
+            cost, known = (lambda width: costs.cost((*group, width))), (lambda width: costs.trusted((*group, width)))
+            k = cheapest_width(cost, k + 1, most, known) - 1
     context, counts, table, history = _chain_tensors(chains, k, batch.tokens)
     if use_exit:
         k = max(k, min(int(budgets["exit"][active].max()), int(room.max())))

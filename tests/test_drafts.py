@@ -199,6 +199,14 @@ def test_the_padded_gate_prices_a_round_at_its_cheapest_wider_width():
             costs.observe((*group, width), bumpy(width))
     assert plan_padded_fresh(one_draft, [True], costs, group) == 0
     assert plan_padded_fresh(one_draft, [True], costs, group, most_fed=5) == 1
+    once = StepCosts()  # wider widths timed once, fast: not trusted yet, they do not draw the round to them
+    for _ in range(TRUSTED):
+        for width in range(1, 4):
+            once.observe((*group, width), bumpy(width))
+    once.observe((*group, 4), bumpy(4))
+    once.observe((*group, 5), bumpy(5))
+    assert not once.trusted((*group, 5)) and once.trusted((*group, 3))
+    assert plan_padded_fresh(one_draft, [True], once, group, most_fed=5) == 0
 
 
 def test_the_padded_gate_times_a_stale_or_unknown_plain_width_before_a_marginal_draft():
