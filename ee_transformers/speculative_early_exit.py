@@ -342,8 +342,8 @@ def _exit_round(model, settings, batch, cache, k, drafting, context, counts, log
 def _plan(model, settings, batch, texts, active, budgets, capacity, cache):
     """This round's drafts: (context drafts, their counts, k, whether the exit head drafts, from the table, from the
     history, the chains) for the active rows. Without exit drafts the gate picks k (`drafts.plan_padded_fresh`: 0 decodes
-    this round plainly), and the round is fed at the cheapest measured width that holds k drafts: the rows' further
-    drafts, then fillers."""
+    this round plainly); with one live row the round is fed at the cheapest trusted width that holds k drafts: the
+    row's further drafts, then fillers."""
     room = (batch.max_length - batch.length - 1).clamp_min(0) * active  # drafts beyond it could never be committed
     chains = [None] * batch.batch_size
     if settings.lookup_tokens:
@@ -357,7 +357,8 @@ def _plan(model, settings, batch, texts, active, budgets, capacity, cache):
         pace = pace_setters(batch.length.tolist(), running)
         probs = [c.probs if c is not None else [] for c in chains]
         costs, group = model.drafter.costs, ("context", rows)
-        most = max(widest, min(settings.lookup_tokens, int(room.max()))) + 1  # the widest fed round
+        # the widest fed round; wider than the drafts at one live row only (BENCHMARKS.md 5g: at batch 8 it lost)
+        most = max(widest, min(settings.lookup_tokens, int(room.max()))) + 1 if rows == 1 else 0
         k = plan_padded_fresh(probs, pace, costs, group, most)
         if k:  # fed at its cheapest width: the rows' further drafts, then fillers
             cost, known = (lambda width: costs.cost((*group, width))), (lambda width: costs.trusted((*group, width)))
