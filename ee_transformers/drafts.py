@@ -395,6 +395,10 @@ class StepCosts:
         """Whether `key` has been timed `TRUSTED` times (its median alone is then its cost)."""
         return len(self.samples.get(key[:-1], {}).get(int(key[-1]), ())) >= TRUSTED
 
+    def cheapest(self, group: tuple, least: int, most: int = 0) -> int:
+        """`cheapest_width` of `group`'s widths `least..most`, a wider one competing once it is `trusted`."""
+        return cheapest_width(lambda w: self.cost((*group, w)), least, most, lambda w: self.trusted((*group, w)))
+
     def age(self, key: tuple) -> int | None:
         """Timings (of any key) since `key`'s latest; None when it was never timed."""
         latest = self.latest.get((*key[:-1], int(key[-1])))
@@ -492,7 +496,7 @@ def cheapest_width(
     """The fed width (positions per row) in `least..most` of the lowest `cost`, the narrowest among equals; a width
     beyond `least` competes only where `known(width)` (default: every one). Where the machine's kernels are faster at
     a wider round, its extra positions are fillers, never accepted (on the 2-core CPU of BENCHMARKS.md 5g,
-    SmolLM2-135M at batch 1 verified 5 positions in 71 ms and 2 in 89)."""
+    SmolLM2-135M at batch 1 verified 5 positions in 69 ms and 2 in 87)."""
     wider = [width for width in range(least + 1, most + 1) if known is None or known(width)]
     return min([least, *wider], key=lambda width: (cost(width), width))
 
@@ -502,8 +506,7 @@ def plan_padded(
     pace: Sequence[bool],
     cost: Callable[[int], float],
     beyond: float = 1.0,
-    most_fed: int = 0,
-    known: Callable[[int], bool] | None = None,
+    fed: Callable[[int], int] | None = None,
 ) -> int:
     """Drafts per row, w, of a round that feeds every row w + 1 positions (`cost(w + 1)` seconds): the w whose
     expected advance per second is highest; 0 (a plain step) unless drafting beats it by `MARGIN`. `probs[r][j]`:
@@ -511,7 +514,7 @@ def plan_padded(
     all of them keep (the slowest row's, the rows taken as independent: the batch moves with it) in full, and each
     row's drafts beyond those weighted by `beyond` (1: the rows' mean; 0: the slowest row's alone). A row that gets
     ahead of the slowest moves the batch only later, when it drops out of the pace or finishes early. A round of w
-    drafts costs its `cheapest_width` up to `most_fed` positions (fillers after the drafts; `known`: as there)."""
+    drafts is fed `fed(w + 1)` positions (fillers after the drafts; default w + 1) and costs that width's time."""
     rows = [p for p, lead in zip(probs, pace) if lead]
     widest = max((len(p) for p in rows), default=0)
     if not widest:
@@ -521,7 +524,7 @@ def plan_padded(
         kept = [p[w - 1] if w <= len(p) else 0.0 for p in rows]
         slowest, total = slowest + math.prod(kept), total + sum(kept)
         mean = total / len(rows)
-        rate = (1.0 + slowest + beyond * (mean - slowest)) / cost(cheapest_width(cost, w + 1, most_fed, known))
+        rate = (1.0 + slowest + beyond * (mean - slowest)) / cost(w + 1 if fed is None else fed(w + 1))
         if rate > best:
             best, best_w = rate, w
     return best_w if best > MARGIN * plain else 0
@@ -554,16 +557,16 @@ def plan_padded_fresh(
     when that width was never timed in the group (its estimate would come from wider rounds by the prior's slope), or
     when its timing is `PLAIN_REFRESH` timings old and drafting wins by less than `REFRESH_BAND`: a drift of the
     machine since then, or a batch of another speed, could have turned that gain into a loss, and once drafting wins
-    nothing else would time plain again. `most_fed`: as `plan_padded`'s; a wider width competes once it is trusted
-    (`TRUSTED` timings: a single fast one, or a guess, does not draw every round to it)."""
+    nothing else would time plain again. A round is fed at `costs.cheapest` width up to `most_fed` (a wider width
+    competes once it is trusted: a single fast timing, or a guess, does not draw every round to it)."""
     cost = lambda width: costs.cost((*group, width))  # noqa: E731
-    known = lambda width: costs.trusted((*group, width))  # noqa: E731
-    w = plan_padded(probs, pace, cost, BEYOND_SLOWEST, most_fed, known)
+    fed = lambda least: costs.cheapest(group, least, most_fed)  # noqa: E731
+    w = plan_padded(probs, pace, cost, BEYOND_SLOWEST, fed)
     age = costs.age((*group, 1))
     if w and age is None:
         return 0
     banded = lambda x: cost(x) * (REFRESH_BAND if x > 1 else 1)  # noqa: E731
-    if w and age >= PLAIN_REFRESH and not plan_padded(probs, pace, banded, BEYOND_SLOWEST, most_fed, known):
+    if w and age >= PLAIN_REFRESH and not plan_padded(probs, pace, banded, BEYOND_SLOWEST, fed):
         return 0
     return w
 

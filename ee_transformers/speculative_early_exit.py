@@ -77,7 +77,7 @@ from transformers.utils import logging
 
 from .decode_core import deprecated_aliases, run_layers
 from .decode_loop import DecodeLoop, GenerateEarlyExitOutput, require_cache
-from .drafts import cheapest_width, pace_setters, plan_padded_fresh
+from .drafts import pace_setters, plan_padded_fresh
 from .request import (  # the settings of this mode live in the resolver; importable from here as before
     DRAFT_SOURCES,
     GATE_FIELD,
@@ -361,8 +361,7 @@ def _plan(model, settings, batch, texts, active, budgets, capacity, cache):
         most = max(widest, min(settings.lookup_tokens, int(room.max()))) + 1 if rows == 1 else 0
         k = plan_padded_fresh(probs, pace, costs, group, most)
         if k:  # fed at its cheapest width: the rows' further drafts, then fillers
-            cost, known = (lambda width: costs.cost((*group, width))), (lambda width: costs.trusted((*group, width)))
-            k = cheapest_width(cost, k + 1, most, known) - 1
+            k = costs.cheapest(group, k + 1, most) - 1
     context, counts, table, history = _chain_tensors(chains, k, batch.tokens)
     if use_exit:
         k = max(k, min(int(budgets["exit"][active].max()), int(room.max())))

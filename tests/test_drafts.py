@@ -191,8 +191,9 @@ def test_the_padded_gate_prices_a_round_at_its_cheapest_wider_width():
     assert cheapest_width(lambda width: 1.0, 2, 5) == 2  # equal costs: the narrowest
     one_draft = [[0.8]]  # 1.8 tokens: at 2 positions 1.8 / 1.8, plain speed; fed 5 positions 1.8 / 1.35
     assert plan_padded(one_draft, [True], bumpy) == 0
-    assert plan_padded(one_draft, [True], bumpy, most_fed=5) == 1
-    assert plan_padded([[0.9, 0.8, 0.5, 0.2]], [True], bumpy, most_fed=5) == 4  # every draft where they cost alike
+    fed = lambda least: cheapest_width(bumpy, least, 5)  # noqa: E731
+    assert plan_padded(one_draft, [True], bumpy, fed=fed) == 1
+    assert plan_padded([[0.9, 0.8, 0.5, 0.2]], [True], bumpy, fed=fed) == 4  # every draft where they cost alike
     costs, group = StepCosts(), ("context", 1)
     for _ in range(TRUSTED):
         for width in range(1, 6):
@@ -206,6 +207,7 @@ def test_the_padded_gate_prices_a_round_at_its_cheapest_wider_width():
     once.observe((*group, 4), bumpy(4))
     once.observe((*group, 5), bumpy(5))
     assert not once.trusted((*group, 5)) and once.trusted((*group, 3))
+    assert once.cheapest(group, 2, 5) == 2 and costs.cheapest(group, 2, 5) == 5
     assert plan_padded_fresh(one_draft, [True], once, group, most_fed=5) == 0
 
 
@@ -315,7 +317,7 @@ def test_a_gated_round_is_fed_at_its_cheapest_width(models):
         assert torch.equal(out.sequences, base.generate(ids, max_new_tokens=8, do_sample=False))
         drafted = [k for k in out.draft_lengths.tolist() if k]
         assert drafted and set(drafted) == {3}  # never 1 or 2 drafts fed 2-3 positions: fed 4, drafts then fillers
-        assert int(out.draft_tokens.sum()) <= 3 * len(drafted)
+        assert int(out.draft_tokens.sum()) < 3 * len(drafted)  # some of those positions were fillers
     finally:
         drafter.costs = saved
 
