@@ -14,20 +14,19 @@ import time
 import torch
 from transformers import AutoTokenizer
 
-import ee_transformers.speculative_early_exit as spec
+import ee_transformers.drafts as drafts
 from ee_transformers.measure.loading import load_models, make_batches
 from ee_transformers.tools.assets.text import text_slice
 from ee_transformers.tools.bench.loading import default_text_files, heldout_prompts
 from ee_transformers.tools.bench.lossless import store_table_from
 
 MODEL = os.path.expanduser("~/.cache/ee-transformers/smollm2-135m-instruct")
-NEW_FRESH, NEW_CHEAPEST = spec.plan_padded_fresh, spec.cheapest_width
+NEW_CHEAPEST = drafts.StepCosts.cheapest
 
 
 def use(new):
     """The new rule, or the old one: no width beyond the drafts'."""
-    spec.plan_padded_fresh = NEW_FRESH if new else (lambda p, pace, c, g, most_fed=0: NEW_FRESH(p, pace, c, g))
-    spec.cheapest_width = NEW_CHEAPEST if new else (lambda cost, least, most=0, known=None: least)
+    drafts.StepCosts.cheapest = NEW_CHEAPEST if new else (lambda self, group, least, most=0: least)
 
 
 def main():
