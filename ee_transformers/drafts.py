@@ -62,9 +62,6 @@ PACKED_FIT_AFTER = 8  # packed steps timed before the fit replaces the width tab
 PLAIN_REFRESH = 16  # a plain width's timing older than this many timed rounds is stale ...
 REFRESH_BAND = 1.25  # ... and a round drafting for less than this gain over it decodes plainly to time it afresh
 BEYOND_SLOWEST = 0.5  # the gate's weight of a pace row's drafts beyond what the slowest row keeps (plan_padded)
-PACE_ROUNDS = 32  # the latest drafted rounds, per number of live rows, whose frontier calibrates the gate (PaceLedger)
-PACE_PRIOR = 2.0  # ... and the prior: this many drafts kept as valued (a factor of 1)
-PACE_MOST = 2.0  # the factor's ceiling
 
 
 @dataclass
@@ -290,7 +287,6 @@ class Drafter:
         self.history = SuffixIndex(ngram_size, history_tokens)
         self.costs = StepCosts()
         self.packed = PackedCosts(self.costs)
-        self.pace = PaceLedger()
         self.stats: dict[tuple, list[float]] = {}  # cell -> [accepted, reached]
         self.table: dict[tuple[int, int] | int, int] | None = None
         self._table_key = None
@@ -421,31 +417,6 @@ class StepCosts:
         return min(_median(widths[x]), estimate) if x in widths else estimate
 
 
-class PaceLedger:
-    """How far a padded batch really moved in its drafted rounds, next to what the gate valued them at: the gate's
-    trust in its own valuation, per number of live rows. A round moves the batch's frontier (the shortest of the rows
-    that go on) by one token, plus the drafts the frontier kept. The gate values a round by the pace rows' drafts
-    taken as independent (`pace_values`); on unseen text, eight level rows moved the frontier by one token in 28 of
-    34 drafted rounds, where the rows' mean expected 0.07-2.16 drafts of each (BENCHMARKS.md 5f). `factor(rows)` =
-    (drafts the frontier kept + `PACE_PRIOR`) / (drafts valued + `PACE_PRIOR`) over the latest `PACE_ROUNDS` drafted
-    rounds at `rows` live rows, at most `PACE_MOST`; 1 at one row, where the frontier is the row and the drafter's
-    estimates already learn from what it kept. A low factor still lets a round draft whose valuation is high (a long,
-    sure match), so the ledger keeps learning."""
-
-    def __init__(self):
-        self.rounds: dict[int, deque] = {}
-
-    def observe(self, rows: int, valued: float, kept: float) -> None:
-        self.rounds.setdefault(rows, deque(maxlen=PACE_ROUNDS)).append((float(valued), max(float(kept), 0.0)))
-
-    def factor(self, rows: int) -> float:
-        if rows <= 1:
-            return 1.0
-        seen = self.rounds.get(rows, ())
-        valued, kept = sum(v for v, _ in seen), sum(k for _, k in seen)
-        return min((kept + PACE_PRIOR) / (valued + PACE_PRIOR), PACE_MOST)
-
-
 class PackedCosts:
     """Seconds of a packed continuous-batching step from what it computes, fitted on the running machine's latest
     steps: `a + b * tokens + c * rows + d * tokens * keys / 1024 + e * drafted`, where `tokens` are the step's packed
@@ -530,37 +501,30 @@ def cheapest_width(
     return min([least, *wider], key=lambda width: (cost(width), width))
 
 
-def pace_values(probs: Sequence[Sequence[float]], pace: Sequence[bool], beyond: float = 1.0) -> list[float]:
-    """The drafts a padded round of w drafts per row is valued at (index w - 1), over the rows that set the pace
-    (`pace`): the drafts all of them keep (the slowest row's, the rows taken as independent: the batch moves with it)
-    in full, and each row's drafts beyond those weighted by `beyond` (1: the rows' mean; 0: the slowest row's alone).
-    A row that gets ahead of the slowest moves the batch only later, when it drops out of the pace or finishes early.
-    `probs[r][j]`: the chance that row r keeps its drafts 0..j."""
-    rows = [p for p, lead in zip(probs, pace) if lead]
-    values, slowest, total = [], 0.0, 0.0
-    for w in range(1, max((len(p) for p in rows), default=0) + 1):
-        kept = [p[w - 1] if w <= len(p) else 0.0 for p in rows]
-        slowest, total = slowest + math.prod(kept), total + sum(kept)
-        values.append(slowest + beyond * (total / len(rows) - slowest))
-    return values
-
-
 def plan_padded(
     probs: Sequence[Sequence[float]],
     pace: Sequence[bool],
     cost: Callable[[int], float],
     beyond: float = 1.0,
     fed: Callable[[int], int] | None = None,
-    trust: float = 1.0,
 ) -> int:
     """Drafts per row, w, of a round that feeds every row w + 1 positions (`cost(w + 1)` seconds): the w whose
-    expected advance per second, `1 + trust * pace_values(probs, pace, beyond)[w - 1]` tokens, is highest; 0 (a plain
-    step) unless drafting beats it by `MARGIN`. `trust` scales the valuation by what such rounds really moved
-    (`PaceLedger.factor`). A round of w drafts is fed `fed(w + 1)` positions (fillers after the drafts; default
-    w + 1) and costs that width's time."""
-    plain, best, best_w = 1.0 / cost(1), 0.0, 0
-    for w, value in enumerate(pace_values(probs, pace, beyond), start=1):
-        rate = (1.0 + trust * value) / cost(w + 1 if fed is None else fed(w + 1))
+    expected advance per second is highest; 0 (a plain step) unless drafting beats it by `MARGIN`. `probs[r][j]`:
+    the chance that row r keeps its drafts 0..j. The advance counts the rows that set the pace (`pace`): the drafts
+    all of them keep (the slowest row's, the rows taken as independent: the batch moves with it) in full, and each
+    row's drafts beyond those weighted by `beyond` (1: the rows' mean; 0: the slowest row's alone). A row that gets
+    ahead of the slowest moves the batch only later, when it drops out of the pace or finishes early. A round of w
+    drafts is fed `fed(w + 1)` positions (fillers after the drafts; default w + 1) and costs that width's time."""
+    rows = [p for p, lead in zip(probs, pace) if lead]
+    widest = max((len(p) for p in rows), default=0)
+    if not widest:
+        return 0
+    plain, best, best_w, slowest, total = 1.0 / cost(1), 0.0, 0, 0.0, 0.0
+    for w in range(1, widest + 1):
+        kept = [p[w - 1] if w <= len(p) else 0.0 for p in rows]
+        slowest, total = slowest + math.prod(kept), total + sum(kept)
+        mean = total / len(rows)
+        rate = (1.0 + slowest + beyond * (mean - slowest)) / cost(w + 1 if fed is None else fed(w + 1))
         if rate > best:
             best, best_w = rate, w
     return best_w if best > MARGIN * plain else 0
@@ -586,12 +550,7 @@ def plan_packed(probs: Sequence[Sequence[float]], base_tokens: int, cost: Callab
 
 
 def plan_padded_fresh(
-    probs: Sequence[Sequence[float]],
-    pace: Sequence[bool],
-    costs: StepCosts,
-    group: tuple,
-    most_fed: int = 0,
-    trust: float = 1.0,
+    probs: Sequence[Sequence[float]], pace: Sequence[bool], costs: StepCosts, group: tuple, most_fed: int = 0
 ) -> int:
     """`plan_padded` (drafts beyond the slowest row's weighted by `BEYOND_SLOWEST`) on `costs`' widths of `group` (keys
     `(*group, width)`), with the plain width kept fresh: a round decodes plainly (0), and so times the plain width,
@@ -599,16 +558,15 @@ def plan_padded_fresh(
     when its timing is `PLAIN_REFRESH` timings old and drafting wins by less than `REFRESH_BAND`: a drift of the
     machine since then, or a batch of another speed, could have turned that gain into a loss, and once drafting wins
     nothing else would time plain again. A round is fed at `costs.cheapest` width up to `most_fed` (a wider width
-    competes once it is trusted: a single fast timing, or a guess, does not draw every round to it). `trust`: as in
-    `plan_padded`."""
+    competes once it is trusted: a single fast timing, or a guess, does not draw every round to it)."""
     cost = lambda width: costs.cost((*group, width))  # noqa: E731
     fed = lambda least: costs.cheapest(group, least, most_fed)  # noqa: E731
-    w = plan_padded(probs, pace, cost, BEYOND_SLOWEST, fed, trust)
+    w = plan_padded(probs, pace, cost, BEYOND_SLOWEST, fed)
     age = costs.age((*group, 1))
     if w and age is None:
         return 0
     banded = lambda x: cost(x) * (REFRESH_BAND if x > 1 else 1)  # noqa: E731
-    if w and age >= PLAIN_REFRESH and not plan_padded(probs, pace, banded, BEYOND_SLOWEST, fed, trust):
+    if w and age >= PLAIN_REFRESH and not plan_padded(probs, pace, banded, BEYOND_SLOWEST, fed):
         return 0
     return w
 
@@ -627,12 +585,10 @@ __all__ = [
     "DEFAULT_HISTORY_TOKENS",
     "Chain",
     "Drafter",
-    "PaceLedger",
     "StepCosts",
     "SuffixIndex",
     "cheapest_width",
     "pace_setters",
-    "pace_values",
     "peers_of",
     "plan_packed",
     "plan_padded",

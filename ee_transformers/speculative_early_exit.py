@@ -77,7 +77,7 @@ from transformers.utils import logging
 
 from .decode_core import deprecated_aliases, run_layers
 from .decode_loop import DecodeLoop, GenerateEarlyExitOutput, require_cache
-from .drafts import BEYOND_SLOWEST, pace_setters, pace_values, plan_padded_fresh
+from .drafts import pace_setters, plan_padded_fresh
 from .request import (  # the settings of this mode live in the resolver; importable from here as before
     DRAFT_SOURCES,
     GATE_FIELD,
@@ -282,7 +282,6 @@ class _Round:
     table: torch.Tensor | None = None
     history: torch.Tensor | None = None
     chains: list | None = None
-    valued: float = 0.0  # the drafts the gate valued this round at (`drafts.pace_values`; 0: not gated)
 
 
 def _point_mass(drafts, valid, vocab_size):
@@ -342,10 +341,9 @@ def _exit_round(model, settings, batch, cache, k, drafting, context, counts, log
 
 def _plan(model, settings, batch, texts, active, budgets, capacity, cache):
     """This round's drafts: (context drafts, their counts, k, whether the exit head drafts, from the table, from the
-    history, the chains, the drafts the gate valued them at) for the active rows. Without exit drafts the gate picks k
-    (`drafts.plan_padded_fresh`, its valuation scaled by what such rounds moved, `drafts.PaceLedger`: 0 decodes this
-    round plainly); with one live row the round is fed at the cheapest trusted width that holds k drafts: the row's
-    further drafts, then fillers."""
+    history, the chains) for the active rows. Without exit drafts the gate picks k (`drafts.plan_padded_fresh`: 0 decodes
+    this round plainly); with one live row the round is fed at the cheapest trusted width that holds k drafts: the
+    row's further drafts, then fillers."""
     room = (batch.max_length - batch.length - 1).clamp_min(0) * active  # drafts beyond it could never be committed
     chains = [None] * batch.batch_size
     if settings.lookup_tokens:
@@ -353,7 +351,7 @@ def _plan(model, settings, batch, texts, active, budgets, capacity, cache):
     widest = max((len(c.tokens) for c in chains if c is not None), default=0)
     running = active.tolist()
     use_exit = settings.exit_layer is not None and any(c is None for c, a in zip(chains, running) if a)
-    k, valued = widest, 0.0
+    k = widest
     if settings.gate and not use_exit and widest:
         rows = batch.live.numel()
         pace = pace_setters(batch.length.tolist(), running)
@@ -361,9 +359,8 @@ def _plan(model, settings, batch, texts, active, budgets, capacity, cache):
         costs, group = model.drafter.costs, ("context", rows)
         # the widest fed round; wider than the drafts at one live row only (BENCHMARKS.md 5g: at batch 8 it lost)
         most = max(widest, min(settings.lookup_tokens, int(room.max()))) + 1 if rows == 1 else 0
-        k = plan_padded_fresh(probs, pace, costs, group, most, model.drafter.pace.factor(rows))
+        k = plan_padded_fresh(probs, pace, costs, group, most)
         if k:  # fed at its cheapest width: the rows' further drafts, then fillers
-            valued = pace_values(probs, pace, BEYOND_SLOWEST)[k - 1]
             k = costs.cheapest(group, k + 1, most) - 1
     context, counts, table, history = _chain_tensors(chains, k, batch.tokens)
     if use_exit:
@@ -376,11 +373,11 @@ def _plan(model, settings, batch, texts, active, budgets, capacity, cache):
         batch.compact(cache, active)
     if capacity > 0:
         k = max(min(k, capacity - batch.slots.shape[1] - 1), 0)
-    return context, counts.clamp(max=k), k, use_exit, table, history, chains, valued
+    return context, counts.clamp(max=k), k, use_exit, table, history, chains
 
 
 def _draft(model, settings, batch, texts, cache, active, budgets, capacity, logits_processor, sample):
-    context, counts, k, use_exit, table, history, chains, valued = _plan(
+    context, counts, k, use_exit, table, history, chains = _plan(
         model, settings, batch, texts, active, budgets, capacity, cache
     )
     if not use_exit:
@@ -389,7 +386,7 @@ def _draft(model, settings, batch, texts, cache, active, budgets, capacity, logi
         r = _exit_round(
             model, settings, batch, cache, k, active.clone(), context, counts, logits_processor, sample, budgets["exit"]
         )
-    r.table, r.history, r.chains, r.valued = table, history, chains, valued
+    r.table, r.history, r.chains = table, history, chains
     return r
 
 
@@ -505,7 +502,7 @@ def speculative_generate(
     if settings.history:
         model.drafter.history.resize(settings.history)
     while bool((active := batch.active).any()):
-        start, before = time.perf_counter(), batch.length.clone()
+        start = time.perf_counter()
         if texts is not None:
             texts.sync(batch)
         r = _draft(model, settings, batch, texts, cache, active, stats.budgets, capacity, logits_processor, loop.sample)
@@ -514,8 +511,6 @@ def speculative_generate(
         stats.add(r, active, accepted, counts)
         if texts is not None:
             _learn(model, r, accepted, live, time.perf_counter() - start)
-            if r.valued and live > 1:
-                _pace(model, r, live, before, batch)
     if settings.history:
         for tokens in texts.generated(batch):
             model.drafter.finish(tokens)
@@ -532,15 +527,6 @@ def _learn(model, r, accepted, rows, seconds):
     for chain, n, kept in zip(r.chains, *counts):
         if chain is not None and n:
             drafter.observe(chain, kept, drafted=n)
-
-
-def _pace(model, r, rows, before, batch):
-    """After a gated round that drafted at several live rows: what it moved the batch's frontier by (the shortest of the
-    rows that go on), against what the gate valued it at (`drafts.PaceLedger`)."""
-    going = batch.active
-    if bool(going.any()):
-        moved = int(batch.length[going].min() - before[going].min())
-        model.drafter.pace.observe(rows, r.valued, moved - 1)
 
 
 # deprecated names, kept importable for one release: {old: new}

@@ -8,20 +8,15 @@ from helpers import models_per_family
 
 from ee_transformers.drafts import (
     MAX_PEERS,
-    PACE_MOST,
-    PACE_PRIOR,
-    PACE_ROUNDS,
     PLAIN_REFRESH,
     REFRESH_BAND,
     TRUSTED,
     Drafter,
-    PaceLedger,
     PackedCosts,
     StepCosts,
     SuffixIndex,
     cheapest_width,
     pace_setters,
-    pace_values,
     peers_of,
     plan_packed,
     plan_padded,
@@ -238,59 +233,6 @@ def test_the_padded_gate_times_a_stale_or_unknown_plain_width_before_a_marginal_
     costs.observe((*group, 1), 1.0)
     assert plan_padded_fresh(marginal, [True], costs, group) == 1
     assert plan_padded_fresh([[]], [True], costs, ("context", 3)) == 0  # nothing to draft: plain
-
-
-def test_the_pace_ledger_scales_the_gate_by_what_drafted_rounds_moved():
-    ledger = PaceLedger()
-    assert ledger.factor(1) == ledger.factor(8) == 1.0  # nothing seen: the gate's own valuation
-    both = [[0.9], [0.9]]  # two level rows: valued at 0.81 + 0.5 * (0.9 - 0.81) drafts
-    assert pace_values(both, [True, True], 0.5) == pytest.approx([0.855])
-    cost = lambda width: 1.0 + 0.3 * (width - 1)  # noqa: E731
-    assert plan_padded(both, [True, True], cost, beyond=0.5) == 1  # 1.855 / 1.3
-    for _ in range(PACE_ROUNDS):  # every drafted round moved the frontier by one token: nothing kept
-        ledger.observe(8, 0.855, 0)
-        ledger.observe(1, 0.855, 0)
-    low = ledger.factor(8)
-    assert low == pytest.approx(PACE_PRIOR / (PACE_ROUNDS * 0.855 + PACE_PRIOR)) and ledger.factor(1) == 1.0
-    assert plan_padded(both, [True, True], cost, beyond=0.5, trust=low) == 0  # (1 + 0.05) / 1.3: a plain step
-    sure = [[0.99] * 8, [0.99] * 8]  # a long sure match where positions are nearly free still drafts, and is seen
-    assert plan_padded(sure, [True, True], lambda width: 1.0 + 0.01 * (width - 1), beyond=0.5, trust=low) == 8
-    for _ in range(PACE_ROUNDS):  # the latest rounds kept more than valued: the factor follows them, to its ceiling
-        ledger.observe(8, 1.0, 4)
-    assert ledger.factor(8) == PACE_MOST
-    ledger.observe(8, 1.0, -1)  # a frontier that moved less than one token (a row that stopped) keeps nothing
-    assert ledger.rounds[8][-1] == (1.0, 0.0)
-
-
-def test_a_batch_whose_drafts_moved_nothing_decodes_plainly(models):
-    model, base = models("llama")
-    ids = base.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=9, do_sample=False).repeat(2, 1)  # it repeats
-    drafter, saved = model.drafter, (model.drafter.costs, model.drafter.pace)
-    drafter.history.clear()
-    drafter.costs, drafter.pace = StepCosts(), PaceLedger()
-    kwargs = dict(max_new_tokens=8, do_sample=False, prompt_lookup_num_tokens=3, return_dict_in_generate=True,
-                  speculative_history_tokens=0)  # fmt: skip
-    try:
-        for _ in range(TRUSTED):  # two rows; each extra position costs 30% of a step
-            for width in range(1, 12):
-                drafter.costs.observe(("context", 2, width), 1.0 + 0.3 * (width - 1))
-        out = model.generate(ids, **kwargs)
-        expected = base.generate(ids, max_new_tokens=8, do_sample=False)
-        assert torch.equal(out.sequences, expected)
-        lengths = out.draft_lengths.tolist()
-        assert any(lengths)
-        # identical rows keep identical drafts: each drafted round but the last (no row goes on) moved the frontier
-        # by one token plus the drafts row 0 kept
-        seen = list(drafter.pace.rounds[2])
-        assert len(seen) == sum(k > 0 for k in lengths[:-1]) and all(v > 0 for v, _ in seen)
-        kept = sum(k for _, k in seen)
-        assert int(out.accepted_tokens[0]) - lengths[-1] <= kept <= int(out.accepted_tokens[0])
-        for _ in range(PACE_ROUNDS):  # the same batch size where drafted rounds moved the frontier by one token
-            drafter.pace.observe(2, 1.0, 0)
-        plain = model.generate(ids, **kwargs)
-        assert torch.equal(plain.sequences, expected) and plain.draft_lengths.tolist() == [0] * 7
-    finally:
-        drafter.costs, drafter.pace = saved
 
 
 def test_the_packed_gate_adds_the_likeliest_drafts_first_and_shrinks_under_load():
