@@ -79,14 +79,14 @@ def main():
     beyond = {"gate": drafts.BEYOND_SLOWEST, "fresh-mean": 1.0, "slowest": 0.0}.get(args.rule)
     verify_and_commit, copied_drafts = spec._verify_and_commit, spec.copied_drafts
 
-    def logged_plan(probs, pace, costs, group):
+    def logged_plan(probs, pace, costs, group, most_fed=0):
         cost = lambda width: costs.cost((*group, width))  # noqa: E731
         if args.rule == "unrefreshed":  # the gate before plan_padded_fresh: the mean, plain costs as old as they are
             w = mean_rule(probs, pace, cost)
         else:
             saved, drafts.BEYOND_SLOWEST = drafts.BEYOND_SLOWEST, beyond
             try:
-                w = fresh(probs, pace, costs, group)
+                w = fresh(probs, pace, costs, group, most_fed)
             finally:
                 drafts.BEYOND_SLOWEST = saved
         lead = [p for p, a in zip(probs, pace) if a]
