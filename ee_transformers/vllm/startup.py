@@ -1,0 +1,40 @@
+"""The start-up check of an early-exit architecture: vLLM calls it while it builds its config, in the process that
+parses the server's arguments, before any model or worker exists (`verify_and_update_config`, the per-architecture
+hook of `vllm.model_executor.models.config`). A bad exit setting stops the server here with one line naming it."""
+
+from vllm.logger import init_logger
+
+from .config import plugin_settings
+
+logger = init_logger(__name__)
+
+
+class EarlyExitStartup:
+    @staticmethod
+    def verify_and_update_model_config(model_config) -> None:
+        return
+
+    @staticmethod
+    def verify_and_update_config(vllm_config) -> None:
+        settings = plugin_settings(vllm_config)  # raises ValueError naming the field
+        exits = settings.exits
+        if exits is None:
+            logger.info("ee-transformers: exits off; the folder is served at full depth by vLLM's own forward.")
+            return
+        logger.info(
+            "ee-transformers: iteration-level exits on (criterion %s, thresholds %s): an all-decode step stops at "
+            "the first checked exit where every sequence is confident, and the skipped layers' K/V are written into "
+            "the paged cache from the exit state.",
+            exits.criterion.name,
+            exits.thresholds,
+        )
+
+
+def register_startup_checks(architectures) -> None:
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+
+    for arch in architectures:
+        MODELS_CONFIG_MAP.setdefault(arch, EarlyExitStartup)
+
+
+__all__ = ["EarlyExitStartup", "register_startup_checks"]
