@@ -168,6 +168,28 @@ class ExitStats:
         counts[layer] = counts.get(layer, 0) + 1
 
 
+def refusal(architecture: str) -> str | None:
+    """Why vLLM cannot serve `architecture` here (one line), or None."""
+    for key, ours in FAMILIES.items():
+        if ours.__name__ == architecture and key in UNSERVED:
+            return f"`{architecture}` cannot be served by vLLM here: {UNSERVED[key]}; serve it with `generate`."
+    return None
+
+
+def _unserved_base():
+    from vllm.model_executor.models.llama import LlamaForCausalLM
+
+    return LlamaForCausalLM
+
+
+class _Unserved:
+    """Stands for a family vLLM cannot serve here while vLLM inspects the architecture; the start-up check refuses it
+    before any model is built."""
+
+    def __init__(self, *args, **kwargs):
+        raise ValueError(refusal(type(self).__name__))
+
+
 def _make_class(key: str) -> type:
     module, name, attention, positional = VLLM_FAMILIES[key]
     vllm_class = getattr(importlib.import_module(f"vllm.model_executor.models.{module}"), name)
@@ -195,8 +217,9 @@ def __getattr__(name):
     """The classes are built when vLLM asks for one (`ModelRegistry` imports them lazily by name)."""
     for key, ours in FAMILIES.items():
         if ours.__name__ == name:
-            if key in UNSERVED:
-                raise ValueError(f"`{name}` cannot be served by vLLM here: {UNSERVED[key]}.")
+            if key in UNSERVED:  # inspectable, so that vLLM reaches the start-up check, which refuses it
+                cls = globals()[name] = type(name, (_Unserved, _unserved_base()), {"__module__": __name__})
+                return cls
             cls = globals()[name] = _make_class(key)
             return cls
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -5,6 +5,7 @@ hook of `vllm.model_executor.models.config`). A bad exit setting stops the serve
 from vllm.logger import init_logger
 
 from .config import plugin_settings
+from .models import refusal
 
 logger = init_logger(__name__)
 
@@ -16,6 +17,9 @@ class EarlyExitStartup:
 
     @staticmethod
     def verify_and_update_config(vllm_config) -> None:
+        reason = refusal(vllm_config.model_config.architecture)
+        if reason is not None:
+            raise ValueError(reason)
         settings = plugin_settings(vllm_config)  # raises ValueError naming the field
         exits = settings.exits
         if exits is None:
