@@ -53,6 +53,45 @@ class ExitStep:
                 raise ExitTaken(layer)
 
 
+class KeysValues(Exception):
+    """Raised by the attention module of a layer being filled, as it is handed the layer's keys and values."""
+
+    def __init__(self, key, value):
+        super().__init__()
+        self.key, self.value = key, value
+
+
+_FILLING = set()  # ids of the attention modules whose call is the K/V fill (their kernel does not run)
+
+
+def capture_keys_values(module, args, kwargs):
+    """Forward pre-hook on a layer's attention kernel module (vLLM's `Attention`): during the fill, stop there with the
+    keys and values the layer's own projections, norms and rotary made. Elsewhere (every real forward, compiled or
+    not) it does nothing."""
+    if id(module) in _FILLING:
+        given = list(args) + [kwargs.get(n) for n in ("query", "key", "value")[len(args) :]]
+        raise KeysValues(given[1], given[2])
+
+
+def fill_layer(attention, kernel, call):
+    """Writes one skipped layer's K/V of the step's tokens into the paged cache: `call()` runs the layer's attention
+    module on the exit state up to its kernel `kernel`, which hands over its keys and values (`capture_keys_values`)
+    instead of attending; they are written as the kernel would write them (`unified_kv_cache_update`)."""
+    from vllm.model_executor.layers.attention.attention import unified_kv_cache_update
+
+    _FILLING.add(id(kernel))
+    try:
+        call()
+    except KeysValues as kv:
+        key = kv.key.view(-1, kernel.num_kv_heads, kernel.head_size)
+        value = kv.value.view(-1, kernel.num_kv_heads, kernel.head_size_v)
+        unified_kv_cache_update(key, value, kernel.layer_name)
+        return
+    finally:
+        _FILLING.discard(id(kernel))
+    raise RuntimeError(f"the attention module {type(attention).__name__} never called its kernel: nothing to fill")
+
+
 # model key -> the step now running through that model (set by the model's forward, read by the op)
 _STEPS: dict[int, ExitStep] = {}
 
@@ -110,4 +149,4 @@ def step_rows(num_tokens: int):
     return None
 
 
-__all__ = ["ExitStep", "ExitTaken", "exit_check", "step_rows"]
+__all__ = ["ExitStep", "ExitTaken", "capture_keys_values", "exit_check", "fill_layer", "step_rows"]

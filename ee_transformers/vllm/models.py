@@ -23,7 +23,7 @@ from torch import nn
 from ..exit_heads import ConfidenceHead, ExitHead
 from ..modeling_early_exit import FAMILIES
 from .config import plugin_settings
-from .exits import _STEPS, ExitStep, ExitTaken, step_rows
+from .exits import _STEPS, ExitStep, ExitTaken, capture_keys_values, fill_layer, step_rows
 
 # our family key -> (vLLM module, class, the skipped layer's attention module name, whether it takes positions)
 VLLM_FAMILIES = {
@@ -62,6 +62,8 @@ class EarlyExitVllmMixin:
         self._hooks = []
         if self.ee.exits is not None:
             self._hook_exit_layers(self.ee.exits.check_layers)
+            for layer in self.family.layers(self)[min(self.ee.exits.check_layers) + 1 :]:
+                getattr(layer, self.attention).attn.register_forward_pre_hook(capture_keys_values, with_kwargs=True)
 
     # exits ---------------------------------------------------------------------------------------------------------
     def _hook_exit_layers(self, layers):
@@ -110,15 +112,19 @@ class EarlyExitVllmMixin:
 
     def _fill(self, step):
         """The decode step stopped at `step.layer`: each layer above it writes its K/V of these tokens into the paged
-        cache from the exit state, through its own attention input and attention module (the attention output is not
-        used)."""
+        cache from the exit state, through its own attention input, projections, key norms and rotary (its
+        attention module, stopped at the kernel: `exits.fill_layer`); the kernel and the output projection do not
+        run."""
         layers = self.family.layers(self)
         for j in range(step.layer + 1, self.config.num_hidden_layers):
             if not self.ee.fill:  # tests only: shows that a later full-depth token reads the filled K/V
                 break
             attention = getattr(layers[j], self.attention)
             x = self.family.attention_input(layers[j], step.stream)
-            attention(step.positions, x) if self.positional else attention(hidden_states=x)
+            if self.positional:
+                fill_layer(attention, attention.attn, lambda a=attention, x=x: a(step.positions, x))
+            else:
+                fill_layer(attention, attention.attn, lambda a=attention, x=x: a(hidden_states=x))
 
     def compute_logits(self, hidden_states):
         """The logits of the step's sampled tokens: the exit's where the step decided at one (the check's own when it

@@ -8,6 +8,20 @@ Each server is a child process on 127.0.0.1 (killed by its PID when its rows are
 * exits: the same with `--exit-settings JSON` (given confident-exit settings; lossy);
 * lean: the same with `--exit-max-layer E` (HELIOS: layers above E are not loaded, every token exits by E).
 
+The engine choice: the `vllm-*` servers are `vllm serve` (the package's vLLM plugin, `ee_transformers/vllm/`), run
+by `vllm_python` (an environment with vLLM: `scripts/setup.sh --vllm`), in vLLM's default compiled mode and, with
+`vllm_modes` `eager`, with `--enforce-eager` too:
+
+* vllm-plain: `vllm serve BASE`;
+* vllm-off: `vllm serve FOLDER` with exits off (`--override-generation-config '{"early_exit": false}'`);
+* vllm-stored: `vllm serve FOLDER` with the folder's stored (calibrated) exit settings;
+* vllm-forced-25 / -50 / -100: `vllm serve FOLDER` with 25% / 50% / every decode step forced to the exit nearest half
+  depth (`ee_forced_profile`, benchmark only), so realised against ideal measures the engine, not the heads; `ideal`
+  is the package's cost model (`measure.costs`, measured on the folder in this process) for that profile.
+
+A vLLM row's `x plain` is over vllm-plain at the same mode, workload and clients, and its text is compared with
+vllm-plain's: vllm-off must answer it (the run fails otherwise).
+
 Every server gets the same paged cache (`--cb-block-size`, `--cb-num-blocks`: room for the longest request of the run
 from every client at once, twice over) and the same `--cb-max-batch-tokens`, so their resident memory compares at one
 cache size. For each server, mode
@@ -65,9 +79,12 @@ from ee_transformers.tools.arguments import (
 
 __all__ = ["ServeBenchConfig", "format_serve", "main", "run_serve_bench"]
 
-SERVERS = ("plain", "stored", "exits", "lean")
-LOSSLESS = ("plain", "stored")
+VLLM_FORCED = {"vllm-forced-25": 0.25, "vllm-forced-50": 0.5, "vllm-forced-100": 1.0}  # share at half depth
+VLLM_SERVERS = ("vllm-plain", "vllm-off", "vllm-stored", *VLLM_FORCED)
+SERVERS = ("plain", "stored", "exits", "lean", *VLLM_SERVERS)
+LOSSLESS = ("plain", "stored", "vllm-plain", "vllm-off")
 MODES = ("sequential", "continuous-batching")
+VLLM_MODES = ("compiled", "eager")
 WORKLOADS = ("prompts", "chat", "edits")
 DOMAINS = ("python", "austen", "both")
 
@@ -118,6 +135,20 @@ class ServeBenchConfig:
     exit_max_layer: int | None = field(
         default=None, metadata={"help": "the lean server's exit_max_layer (it is skipped without one)", "min": 0}
     )
+    vllm_modes: list[str] = field(
+        default_factory=lambda: ["compiled"],
+        metadata={
+            "help": "vLLM servers' modes: compiled (vLLM's default) and eager (--enforce-eager)",
+            "choices": VLLM_MODES,
+        },
+    )
+    vllm_python: str | None = field(
+        default=None,
+        metadata={"help": "the Python of an environment with vLLM, for vllm-* servers (default: this one)"},
+    )
+    vllm_kv_cache_gib: int = field(
+        default=2, metadata={"help": "vLLM servers' KV cache (VLLM_CPU_KVCACHE_SPACE, GiB)", "min": 1}
+    )
     threads: int = field(default=2, metadata={"help": "torch threads of each server (OMP_NUM_THREADS)", "min": 1})
     cb_block_size: int = field(default=64, metadata={"help": "continuous batching's page size in tokens", "min": 4})
     cb_max_batch_tokens: int = field(
@@ -160,12 +191,17 @@ def _free_port() -> int:
 class ServerProcess:
     """A server as a child process on 127.0.0.1; `stop()` kills it by its PID."""
 
-    def __init__(self, argv: list, threads: int, log_path: Path):
+    def __init__(self, argv: list, threads: int, log_path: Path, env: dict | None = None, vllm: bool = False):
         self.port, self.log_path = _free_port(), log_path
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-        argv = [*argv, "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu", "--log-level", "warning"]
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), **(env or {})}
+        where = ["--host", "127.0.0.1", "--port", str(self.port)]
+        argv = [
+            *argv,
+            *where,
+            *(["--uvicorn-log-level", "warning"] if vllm else ["--device", "cpu", "--log-level", "warning"]),
+        ]
         self.proc = subprocess.Popen(argv, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=env)
-        deadline = time.time() + 300
+        deadline = time.time() + 900  # vLLM compiles its model at start-up
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited at start-up (log: {log_path}):\n{log_path.read_text()[-3000:]}")
@@ -175,12 +211,13 @@ class ServerProcess:
             except OSError:
                 time.sleep(0.5)
         self.stop()
-        raise RuntimeError(f"server did not answer /health in 300 s (log: {log_path})")
+        raise RuntimeError(f"server did not answer /health in 900 s (log: {log_path})")
 
     def rss(self) -> int:
         import psutil  # noqa: PLC0415 (transformers[serving] brings it)
 
-        return psutil.Process(self.proc.pid).memory_info().rss
+        process = psutil.Process(self.proc.pid)  # vLLM's engine and worker are child processes: count the tree
+        return sum(p.memory_info().rss for p in [process, *process.children(recursive=True)])
 
     def stop(self) -> str:
         """Kills the server; its log, with this machine's paths made portable (also in the file)."""
@@ -211,6 +248,48 @@ def _server_argv(kind: str, model: str, base: str, config: ServeBenchConfig, mod
         argv += ["--continuous-batching", "--cb-block-size", str(config.cb_block_size), "--cb-num-blocks", str(blocks)]
         argv += ["--cb-max-batch-tokens", str(config.cb_max_batch_tokens)]
     return argv
+
+
+def _vllm_argv(kind: str, model: str, base: str, config: ServeBenchConfig, mode: str) -> list:
+    """`vllm serve` of the base (vllm-plain) or of the folder, fp32, greedy defaults from the request."""
+    served = base if kind == "vllm-plain" else model
+    python = config.vllm_python or sys.executable
+    # `vllm serve`'s server; vllm-cpu 0.32.0's `vllm` command fails before it reads its arguments (it asks for the
+    # version of a distribution named `vllm`), so its module entry point is run instead
+    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", served, "--dtype", "float32"]
+    argv += ["--max-model-len", str(config.longest_request() + 64), "--served-model-name", served]
+    override = {"vllm-off": {"early_exit": False}}.get(kind)
+    if kind in VLLM_FORCED:
+        override = {"ee_forced_profile": {"0.5": VLLM_FORCED[kind], "1.0": 1.0 - VLLM_FORCED[kind]}}
+    if override is not None:
+        argv += ["--override-generation-config", json.dumps(override)]
+    if mode == "eager":
+        argv.append("--enforce-eager")
+    return argv
+
+
+def forced_ideal(model: str, clients: list[int]) -> dict:
+    """{(server, clients): ideal speed-up} of the forced vLLM rows under the package's cost model (`measure.costs`,
+    timed here on the folder at decode shape): a step at the exit nearest half depth against a full one."""
+    import torch  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+    from ee_transformers.measure.costs import full_step_cost, measure_costs, step_cost  # noqa: PLC0415
+    from ee_transformers.measure.forced import forced_profile  # noqa: PLC0415
+
+    folder = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    half = [
+        layer
+        for layer in forced_profile({0.5: 1.0, 1.0: 0.0}, folder).layers
+        if layer < folder.config.num_hidden_layers - 1
+    ][0]
+    costs = measure_costs(folder, batch_size=max(clients))
+    out = {}
+    for c in clients:
+        full, early = full_step_cost(costs, c), step_cost(costs, [half] * c, [half], "forced")
+        for kind, share in VLLM_FORCED.items():
+            out[kind, c] = full / (share * early + (1 - share) * full)
+    return out
 
 
 EOS_OFF = "eos_token_id"
@@ -276,15 +355,16 @@ class Workload:
         return {"prompt": transcript + "Assistant:"}
 
 
-def _send(client, model: str, body: dict, new_tokens: int):
+def _send(client, model: str, body: dict, new_tokens: int, vllm: bool = False):
     start = time.perf_counter()
+    extra = {"ignore_eos": True} if vllm else _generation_config(new_tokens)  # EOS off, exactly new_tokens
     if "messages" in body:
         out = client.chat.completions.create(
             model=model,
             messages=body["messages"],
             max_tokens=new_tokens,
             temperature=0,
-            extra_body=_generation_config(new_tokens),
+            extra_body=extra,
         )
         text = out.choices[0].message.content or ""
     else:
@@ -293,24 +373,24 @@ def _send(client, model: str, body: dict, new_tokens: int):
             prompt=body["prompt"],
             max_tokens=new_tokens,
             temperature=0,
-            extra_body=_generation_config(new_tokens),
+            extra_body=extra,
         )
         text = out.choices[0].text
     return time.perf_counter() - start, text, out.usage.completion_tokens
 
 
-def _complete(client, model: str, prompt: str, new_tokens: int):
-    return _send(client, model, {"prompt": prompt}, new_tokens)
+def _complete(client, model: str, prompt: str, new_tokens: int, vllm: bool = False):
+    return _send(client, model, {"prompt": prompt}, new_tokens, vllm)
 
 
-def _level(server, model, workload: Workload, clients, config, bar):
+def _level(server, model, workload: Workload, clients, config, bar, vllm=False):
     """Every session of the level from `clients` threads: wall time, latencies, {key: text}, generated tokens."""
     client = openai_client(server)
 
     def run(session):
         answers, results = [], []
         for key, build in session:
-            latency, text, tokens = _send(client, model, build(answers), config.new_tokens)
+            latency, text, tokens = _send(client, model, build(answers), config.new_tokens, vllm)
             answers.append(text)
             results.append((key, latency, text, tokens))
             bar.update(1)
@@ -399,33 +479,45 @@ def run_serve_bench(
     logs = Path(out) if out is not None else Path.cwd()
     logs.mkdir(parents=True, exist_ok=True)
     per_level = [sum(len(s) for s in w.sessions(c)) for (_, c), w in levels.items()]
-    total = len(servers) * len(config.modes) * sum(per_level)
-    rows, reference = [], {}  # reference: {(workload, clients, key): plain's answer}
+    servers.sort(key=lambda kind: kind not in ("plain", "vllm-plain"))  # each engine's text reference first
+    runs = [(kind, mode) for kind in servers for mode in (config.vllm_modes if kind in VLLM_SERVERS else config.modes)]
+    total = len(runs) * sum(per_level)
+    ideal = forced_ideal(model, config.clients) if any(k in VLLM_FORCED for k in servers) else {}
+    rows, references = [], {"transformers": {}, "vllm": {}}  # {engine: {(workload, clients, key): plain's answer}}
     with tqdm(total=total, desc="bench-serve", unit="request") as bar:
-        for kind in servers:
-            for mode in config.modes:
-                served = base if kind == "plain" else model
+        for kind, mode in runs:
+            vllm = kind in VLLM_SERVERS
+            reference = references["vllm" if vllm else "transformers"]
+            served = base if kind in ("plain", "vllm-plain") else model
+            if vllm:
+                env = {"VLLM_CPU_KVCACHE_SPACE": str(config.vllm_kv_cache_gib), "VLLM_LOGGING_LEVEL": "WARNING"}
+                argv = _vllm_argv(kind, model, base, config, mode)
+                server = ServerProcess(argv, config.threads, logs / f"server-{kind}-{mode}.log", env, vllm=True)
+            else:
                 argv = _server_argv(kind, model, base, config, mode)
                 server = ServerProcess(argv, config.threads, logs / f"server-{kind}-{mode}.log")
-                try:
-                    _complete(openai_client(server), served, warm_up, 4)  # warm-up (loads the model, first batch)
-                    for name in workloads:
-                        for clients in config.clients:
-                            wall, results = _level(server, served, levels[name, clients], clients, config, bar)
-                            for key, _, text, _ in results:
-                                reference.setdefault((name, clients, key), text)
-                            row = _row(kind, mode, name, clients, wall, results, reference, server.rss())
-                            rows.append(row)
-                            log(format_serve([row], header=len(rows) == 1, all_rows=rows))
-                            if out is not None:
-                                _write(logs, model, base, config, rows)
-                except Exception as error:  # a server that fails is a row that says so; the others still run
-                    rows.append({"server": kind, "mode": mode, "error": f"{type(error).__name__}: {error}"})
-                    log(f"| {kind} | {mode} | failed: {rows[-1]['error'][:200]} (log: {server.log_path}) |")
-                finally:
-                    server_log = server.stop()
-                if "Traceback" in server_log:
-                    log(f"note: the {kind} {mode} server logged a traceback: see {server.log_path}")
+            try:
+                _complete(openai_client(server), served, warm_up, 4, vllm)  # warm-up (loads, first batch)
+                for name in workloads:
+                    for clients in config.clients:
+                        level = levels[name, clients]
+                        wall, results = _level(server, served, level, clients, config, bar, vllm)
+                        for key, _, text, _ in results:
+                            reference.setdefault((name, clients, key), text)
+                        row = _row(kind, mode, name, clients, wall, results, reference, server.rss())
+                        if (kind, clients) in ideal:
+                            row["ideal"] = round(ideal[kind, clients], 3)
+                        rows.append(row)
+                        log(format_serve([row], header=len(rows) == 1, all_rows=rows))
+                        if out is not None:
+                            _write(logs, model, base, config, rows)
+            except Exception as error:  # a server that fails is a row that says so; the others still run
+                rows.append({"server": kind, "mode": mode, "error": f"{type(error).__name__}: {error}"})
+                log(f"| {kind} | {mode} | failed: {rows[-1]['error'][:200]} (log: {server.log_path}) |")
+            finally:
+                server_log = server.stop()
+            if "Traceback" in server_log:
+                log(f"note: the {kind} {mode} server logged a traceback: see {server.log_path}")
     mismatches = text_mismatches(rows, lossless)
     if out is not None:
         _write(logs, model, base, config, rows)
@@ -467,31 +559,34 @@ def _row(kind, mode, workload, clients, wall, results, reference, rss):
 
 
 def format_serve(rows, header=True, all_rows=None) -> str:
-    """Markdown rows; `x plain` is tokens/s over plain's at the same mode, workload and clients (of `all_rows`),
-    `RSS x plain` the same for resident memory (both servers hold the same paged cache)."""
-    plain = {
-        (r["mode"], r["workload"], r["clients"]): r
-        for r in (all_rows or rows)
-        if r["server"] == "plain" and "error" not in r
-    }
+    """Markdown rows; `x plain` is tokens/s over its engine's plain server (plain, vllm-plain) at the same mode,
+    workload and clients (of `all_rows`), `RSS x plain` the same for resident memory; the forced vLLM rows add
+    `realised / ideal`: their tokens/s over vllm-off's, over the cost model's ideal."""
+    done = [r for r in (all_rows or rows) if "error" not in r]
+    by_server = {(r["server"], r["mode"], r["workload"], r["clients"]): r for r in done}
     lines = []
     if header:
         lines += [
-            "| server | mode | workload | clients | requests | tokens/s | x plain | p50 s | p95 s | RSS MB "
-            "| RSS x plain | same text as plain |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| server | mode | workload | clients | requests | tokens/s | x plain | realised / ideal | p50 s | p95 s "
+            "| RSS MB | RSS x plain | same text as plain |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['server']} | {r['mode']} | failed: {r['error'][:120]} | | | | | | | | | |")
+            lines.append(f"| {r['server']} | {r['mode']} | failed: {r['error'][:120]} | | | | | | | | | | |")
             continue
-        base = plain.get((r["mode"], r["workload"], r["clients"]))
+        level = (r["mode"], r["workload"], r["clients"])
+        base = by_server.get(("vllm-plain" if r["server"] in VLLM_SERVERS else "plain", *level))
         speed = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
         memory = f"{r['rss_mb'] / base['rss_mb']:.2f}x" if base else "-"
+        off = by_server.get(("vllm-off", *level))
+        realised = "-"
+        if "ideal" in r and off:
+            realised = f"{r['tokens_per_s'] / off['tokens_per_s']:.2f} / {r['ideal']:.2f}"
         lines.append(
             f"| {r['server']} | {r['mode']} | {r['workload']} | {r['clients']} | {r['requests']} | "
-            f"{r['tokens_per_s']:.1f} | {speed} | {r['p50_s']:.2f} | {r['p95_s']:.2f} | {r['rss_mb']:.0f} | "
-            f"{memory} | {r['same_text']}/{r['requests']} |"
+            f"{r['tokens_per_s']:.1f} | {speed} | {realised} | {r['p50_s']:.2f} | {r['p95_s']:.2f} | "
+            f"{r['rss_mb']:.0f} | {memory} | {r['same_text']}/{r['requests']} |"
         )
     return "\n".join(lines)
 
@@ -526,7 +621,7 @@ def _run(args):
     model = folder_with_table(args.model, config.table_from, Path(args.out)) if config.table_from else args.model
     lossless = LOSSLESS
     if stores_exits(model):
-        lossless = ("plain",)
+        lossless = tuple(kind for kind in LOSSLESS if kind != "stored")
         print("bench-serve: the folder stores confident exits, so its `stored` server is lossy: text not checked")
     report = run_serve_bench(model, args.base, config, out=Path(args.out) if args.out else None, lossless=lossless)
     if config.check_text and report["mismatches"]:
