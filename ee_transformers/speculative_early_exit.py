@@ -75,6 +75,7 @@ from torch import nn
 from torch.profiler import record_function
 from transformers.utils import logging
 
+from .compat import CACHE
 from .decode_core import deprecated_aliases, run_layers
 from .decode_loop import DecodeLoop, GenerateEarlyExitOutput, require_cache
 from .drafts import pace_setters, plan_padded_fresh
@@ -457,7 +458,9 @@ def _finish(model, loop, batch, cache, stats):
     if loop.pad_mode:
         ended = torch.arange(new_steps, device=device) >= (batch.length - batch.prompt_length)[:, None]
         exit_layers = exit_layers.masked_fill(ended, -1)
-    return loop.finish(sequences, GenerateSpeculativeOutput, cache=cache, exit_layers=exit_layers, **stats.fields())
+    return loop.finish(
+        sequences, GenerateSpeculativeOutput, **{CACHE: cache}, exit_layers=exit_layers, **stats.fields()
+    )
 
 
 def speculative_generate(
