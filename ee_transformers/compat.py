@@ -8,8 +8,16 @@ looking at what the installed transformers has (never at its version string).
 - **Continuous batching's paged cache** travels as the keyword `cache` on every release, but before 5.24 it is an
   attention keyword (the model's `past_key_values` stays None and the attention function writes the paged cache), so
   a model or layer gets it as `cache` there too (`cache_kwargs`).
-- **Features that wrap internals of the newest release** (drafts inside continuous batching, the server hooks of
-  `ee-transformers serve`) call `require_transformers` where the user turns them on: one line naming the release.
+- **Static cache layers** can be cropped from 5.24 on (`StaticLayer.crop`); before, the lossless modes (which crop
+  rejected drafts) refuse a static cache, naming the release (`crop_hint`).
+- **transformers' own `assistant_early_exit`** (LayerSkip, which the benchmarks time beside ours) fails before 5.24:
+  its draft cache never writes the layers past the exit, and cropping an unwritten layer raises
+  (`layer_skip_failure`); the benchmarks leave its rows out there and say why. Ours is not affected.
+- **Features that wrap transformers' internals** (drafts inside continuous batching, the server hooks of
+  `ee-transformers serve`) check that what they wrap is there where the user turns them on, and otherwise raise one
+  line naming the releases they were read against (`require_transformers`). Those internals are the same from 5.19
+  to 5.24 (the batch processor, the request states, the IO buffers, the cache allocators, the server's app factory
+  and generation managers), so both features work on every supported release.
 
 Part of the Hub runtime: imports only torch and transformers.
 """
@@ -18,14 +26,18 @@ import dataclasses
 import functools
 
 import transformers
+from transformers.cache_utils import DynamicLayer, StaticLayer
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.utils.deprecation import deprecate_kwarg
 
 # the cache's argument and output field in the installed transformers: "cache" (5.24) or "past_key_values" (5.19-5.23)
 CACHE = "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
-# the release whose internals the newest features wrap
-NEWEST = "5.24"
+# the supported releases (pyproject's range): the oldest and the newest
+OLDEST, NEWEST = "5.19", "5.24"
+SUPPORTED = f"transformers>={OLDEST},<5.25"
+# whether static cache layers can be cropped (5.24's `StaticLayer.crop`); 5.19-5.23's are not croppable
+STATIC_LAYERS_CROP = StaticLayer.is_croppable is True
 
 
 def cache_of(output):
@@ -59,14 +71,50 @@ def cache_argument(forward):
     return with_release_name
 
 
+def crop_hint(cache) -> str:
+    """What to add to "this cache cannot be cropped" when the reason is the installed transformers (static layers
+    before 5.24); empty otherwise."""
+    if STATIC_LAYERS_CROP or not any(isinstance(layer, StaticLayer) for layer in getattr(cache, "layers", ())):
+        return ""
+    return (
+        f" (static cache layers can be cropped from transformers {NEWEST} on; installed: {transformers.__version__}): "
+        f"leave `cache_implementation` out, or install transformers>={NEWEST}"
+    )
+
+
+def layer_skip_failure() -> str | None:
+    """Why transformers' own `assistant_early_exit` (LayerSkip) cannot run on the installed release, or None: before
+    5.24 a round that must crop its draft cache raises on the layers past the exit, which that cache never writes."""
+    try:
+        DynamicLayer().crop(-1)  # an unwritten layer: 5.24 leaves it as it is
+    except TypeError:
+        return (
+            f"not run: transformers {transformers.__version__}'s `assistant_early_exit` raises when it crops its "
+            f"draft cache (the layers past the exit are never written; fixed in {NEWEST})"
+        )
+    return None
+
+
 def require_transformers(feature: str, missing) -> None:
     """Raises `ImportError` in one line when `missing` (the internals `feature` wraps that the installed transformers
     lacks) is not empty."""
     if missing:
         raise ImportError(
-            f"{feature} needs transformers {NEWEST} (installed: {transformers.__version__}, which lacks "
-            f"{', '.join(missing)}): pip install 'transformers>={NEWEST},<5.25'."
+            f"{feature} wraps internals of transformers {OLDEST} to {NEWEST}; transformers {transformers.__version__} "
+            f"lacks {', '.join(missing)}: pip install '{SUPPORTED}'."
         )
 
 
-__all__ = ["CACHE", "NEWEST", "cache_argument", "cache_kwargs", "cache_of", "require_transformers"]
+__all__ = [
+    "CACHE",
+    "NEWEST",
+    "OLDEST",
+    "SUPPORTED",
+    "STATIC_LAYERS_CROP",
+    "cache_argument",
+    "cache_kwargs",
+    "cache_of",
+    "crop_hint",
+    "layer_skip_failure",
+    "require_transformers",
+]
