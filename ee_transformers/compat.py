@@ -33,9 +33,9 @@ from transformers.utils.deprecation import deprecate_kwarg
 
 # the cache's argument and output field in the installed transformers: "cache" (5.24) or "past_key_values" (5.19-5.23)
 CACHE = "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
-# the supported releases (pyproject's range): the oldest and the newest
-OLDEST, NEWEST = "5.19", "5.24"
-SUPPORTED = f"transformers>={OLDEST},<5.25"
+# the supported releases (pyproject's range, scripts/setup.sh's choice): the oldest, the newest, the first one not
+OLDEST, NEWEST, BELOW = "5.19", "5.24", "5.25"
+SUPPORTED = f"transformers>={OLDEST},<{BELOW}"
 # whether static cache layers can be cropped (5.24's `StaticLayer.crop`); 5.19-5.23's are not croppable
 STATIC_LAYERS_CROP = StaticLayer.is_croppable is True
 
@@ -106,6 +106,7 @@ def require_transformers(feature: str, missing) -> None:
 
 
 __all__ = [
+    "BELOW",
     "CACHE",
     "NEWEST",
     "OLDEST",

@@ -277,8 +277,8 @@ def server_seams_missing() -> list[str]:
         missing += [f"cli.serving.utils.{name}.{m}" for m in ("generate_streaming", "generate_non_streaming")
                     if not hasattr(cls, m)]  # fmt: skip
     for name, attribute in (("GenerationState", "_cb_manager"), ("CBGenerateManager", "_cb")):
-        cls = getattr(utils, name, None)
-        if cls is None or f"self.{attribute}" not in inspect.getsource(cls.__init__):
+        init = vars(getattr(utils, name, object)).get("__init__")  # where the attribute is set
+        if init is None or f"self.{attribute}" not in inspect.getsource(init):
             missing.append(f"cli.serving.utils.{name}.{attribute}")
     return missing
 
