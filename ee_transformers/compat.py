@@ -10,7 +10,7 @@ looking at what the installed transformers has (never at its version string).
   a model or layer gets it as `cache` there too (`cache_kwargs`).
 - **Static cache layers** can be cropped from 5.24 on (`StaticLayer.crop`); before, the lossless modes (which crop
   rejected drafts) refuse a static cache, naming the release (`crop_hint`).
-- **transformers' own `assistant_early_exit`** (LayerSkip, which the benchmarks time beside ours) fails before 5.24:
+- **transformers' own `assistant_early_exit`** (LayerSkip, which the benchmarks time beside ours) fails before 5.22:
   its draft cache never writes the layers past the exit, and cropping an unwritten layer raises
   (`layer_skip_failure`); the benchmarks leave its rows out there and say why. Ours is not affected.
 - **Features that wrap transformers' internals** (drafts inside continuous batching, the server hooks of
@@ -84,13 +84,13 @@ def crop_hint(cache) -> str:
 
 def layer_skip_failure() -> str | None:
     """Why transformers' own `assistant_early_exit` (LayerSkip) cannot run on the installed release, or None: before
-    5.24 a round that must crop its draft cache raises on the layers past the exit, which that cache never writes."""
+    5.22 a round that must crop its draft cache raises on the layers past the exit, which that cache never writes."""
     try:
-        DynamicLayer().crop(-1)  # an unwritten layer: 5.24 leaves it as it is
+        DynamicLayer().crop(-1)  # an unwritten layer: 5.22 and later leave it as it is
     except TypeError:
         return (
             f"not run: transformers {transformers.__version__}'s `assistant_early_exit` raises when it crops its "
-            f"draft cache (the layers past the exit are never written; fixed in {NEWEST})"
+            "draft cache (the layers past the exit are never written; fixed in 5.22)"
         )
     return None
 

@@ -316,7 +316,7 @@ def test_bench_lossless_runs_side_by_side_and_reports(models):
     assert "prompt lookup N=4 G=3" in format_lossless(report)
     if layer_skip_failure() is None:
         assert (1, "transformers", "exit drafts @2") in rows and "not_run" not in report
-    else:  # transformers before 5.24: its own exit drafts fail, so their row is left out and the report says why
+    else:  # transformers before 5.22: its own exit drafts fail, so their row is left out and the report says why
         assert not any(who == "transformers" and "exit" in name for _, who, name in rows)
         assert report["not_run"] == {"transformers exit drafts": layer_skip_failure()}
         assert f"transformers exit drafts: {layer_skip_failure()}" in format_lossless(report)

@@ -94,7 +94,7 @@ def test_final_screen_times_the_lossless_setting_and_transformers_prompt_lookup(
     exit_drafts = [r for r in rows if r[0].startswith("self-speculative (drafts from exit 1")]
     assert [r[1] for r in ours] == ["1", "2"] and [r[1] for r in theirs] == ["1"]  # transformers refuses batch 2
     assert [r[1] for r in layer_skip] == ["1"] and [r[1] for r in exit_drafts] == ["1"]
-    if layer_skip_failure() is not None:  # transformers before 5.24: its own exit drafts fail; the row says so
+    if layer_skip_failure() is not None:  # transformers before 5.22: its own exit drafts fail; the row says so
         assert layer_skip[0][2:] == [layer_skip_failure()] + ["-"] * 6
         layer_skip = []
     else:

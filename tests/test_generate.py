@@ -534,7 +534,7 @@ def test_exit_arguments_on_a_model_without_exit_heads(base_dirs):
 def test_phi3_cache_restart_at_original_max_positions_equals_base_cut(tmp_path, cache_implementation):
     """Phi-3's `prepare_inputs_for_generation` drops the cache once a sequence outgrows
     `original_max_position_embeddings` (its long rotary factors take over) and recomputes from the whole sequence
-    (transformers 5.24; 5.19-5.23 feed only the last token to the emptied cache, at every later step too);
+    (from transformers 5.20 on; 5.19 feeds only the last token to the emptied cache, at every later step too);
     early-exit decoding must restart the same way as the family's own generate, not append the sequence to the old
     cache."""
     from conftest import make_base
@@ -560,7 +560,7 @@ def test_phi3_cache_restart_at_original_max_positions_equals_base_cut(tmp_path, 
     )
     expected = cut_at_exit(base, model, 1).generate(ids, return_dict_in_generate=True, **kwargs)
     assert torch.equal(out.sequences, expected.sequences)
-    # what the restart kept (5.24: every position but the last token's)
+    # what the restart kept (5.20 on: every position but the last token's)
     assert cache_of(out).get_seq_length() == cache_of(expected).get_seq_length()
 
 

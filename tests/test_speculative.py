@@ -414,7 +414,7 @@ def test_benchmark_runs_side_by_side_and_reports(base_dirs):
     )
     rows = {(r["batch"], r["mode"], r["profile"]): r for r in report["results"]}
     theirs = {(1, "transformers", "heads"), (1, "transformers", "forced 1")}
-    if layer_skip_failure() is not None:  # transformers before 5.24: its own exit drafts fail, and the report says so
+    if layer_skip_failure() is not None:  # transformers before 5.22: its own exit drafts fail, and the report says so
         theirs = set()
         assert report["not_run"] == {"transformers' assistant_early_exit": layer_skip_failure()}
         assert layer_skip_failure() in bench_speculative.format_table(report)
