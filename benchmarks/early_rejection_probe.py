@@ -24,6 +24,7 @@ import torch
 from table_drafts_probe import own_drafts  # the row's own context, as `context_drafts` drafts it (beside this file)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from ee_transformers.compat import cache_of
 from ee_transformers.draft_table import table_drafts
 from ee_transformers.measure.timing import greedy_generation_config, without_eos
 from ee_transformers.speculative_early_exit import draft_vocab_head
@@ -59,7 +60,7 @@ def layer_costs(model, ids, rows, exit_layer, widths=(1, 2, 3)):
         for w in widths:
             parts = []
             for _ in range(12):
-                cache = model(ids[:rows, :64], use_cache=True, output_exit_logits=False).cache
+                cache = cache_of(model(ids[:rows, :64], use_cache=True, output_exit_logits=False))
                 stamps.clear()
                 start = time.perf_counter()
                 model(ids[:rows, 64 : 64 + w], cache=cache, use_cache=True)

@@ -22,6 +22,7 @@ import time
 import torch
 from transformers import AutoTokenizer
 
+from ee_transformers.compat import cache_of
 from ee_transformers.measure.timing import greedy_generation_config, without_eos
 from ee_transformers.tools.assets import token_sequences, training_texts
 from ee_transformers.tools.bench.loading import heldout_prompts, load_models, make_batches
@@ -88,7 +89,7 @@ def width_costs(model, ids, widths=(1, 2, 3, 4, 5)):
     for w in widths:
         times = []
         for _ in range(12):
-            cache = model(ids[:1, :64], use_cache=True).cache
+            cache = cache_of(model(ids[:1, :64], use_cache=True))
             start = time.perf_counter()
             model(ids[:1, 64 : 64 + w], cache=cache, use_cache=True)
             times.append(time.perf_counter() - start)

@@ -25,10 +25,12 @@ from torch import nn
 from transformers.generation.stopping_criteria import MaxLengthCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from .compat import cache_of
+
 
 def require_cache(model_kwargs, mode: str):
-    """The KV cache `generate` prepared (`model_kwargs["cache"]`); a `ValueError` naming `mode` when there is none."""
-    cache = model_kwargs.get("cache")
+    """The KV cache `generate` prepared (`model_kwargs[CACHE]`); a `ValueError` naming `mode` when there is none."""
+    cache = cache_of(model_kwargs)
     if not model_kwargs.get("use_cache", True) or cache is None:
         raise ValueError(f"{mode} needs a KV cache: call generate with `use_cache=True`.")
     return cache

@@ -47,6 +47,8 @@ import torch
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.models.llama.modeling_llama import rotate_half
 
+from .compat import CACHE, cache_kwargs
+
 # layer type -> the mask function transformers' decoders use for it
 MASK_FUNCTIONS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
 
@@ -150,7 +152,7 @@ class FamilyAdapter:
                     config=config,
                     inputs_embeds=inputs_embeds,
                     attention_mask=attention_mask,
-                    cache=cache,
+                    **{CACHE: cache},
                     position_ids=position_ids,
                     layer_idx=None if layer_idx is None else j,
                 )
@@ -164,7 +166,7 @@ class FamilyAdapter:
             attention_mask=inputs.masks[kind],
             position_embeddings=inputs.positions[kind],
             position_ids=inputs.position_ids,
-            cache=cache,
+            **cache_kwargs(cache),
             use_cache=cache is not None,
             **inputs.attention,
         )
@@ -326,7 +328,7 @@ class GPT2Adapter(FamilyAdapter):
     def run_layer(self, model, j, h, inputs: LayerInputs, cache):
         return self.layers(model)[j](
             h,
-            cache=cache,
+            **cache_kwargs(cache),
             attention_mask=inputs.masks["full_attention"],
             position_ids=inputs.position_ids,
             use_cache=cache is not None,

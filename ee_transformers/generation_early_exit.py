@@ -27,8 +27,10 @@ from collections import deque
 from dataclasses import dataclass
 
 import torch
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .cache_early_exit import EarlyExitCache, RowSubsetCache
+from .compat import CACHE, cache_of
 from .decode_core import (
     EXIT_CRITERIA,
     LOGIT_CRITERIA,
@@ -200,15 +202,15 @@ def _step_inputs(model, input_ids, model_kwargs, first):
     """The next forward's ids, mask and positions, prepared by transformers' own `prepare_inputs_for_generation`:
     the prompt first (only its part beyond what a passed-in cache already holds), then one token per step."""
     if first:
-        past = model_kwargs["cache"].get_seq_length()
+        past = cache_of(model_kwargs).get_seq_length()
         length = input_ids.shape[1] - past if past else None
         inputs = model.prepare_inputs_for_generation(
             input_ids, next_sequence_length=length, is_first_iteration=True, **model_kwargs
         )
     else:
         inputs = model.prepare_inputs_for_generation(input_ids, next_sequence_length=1, **model_kwargs)
-        if inputs.get("cache") is None:  # the family restarts from the whole sequence (Phi-3 past its original
-            model_kwargs["cache"].reset()  # max positions, where its rotary changes): a full-depth prefill again
+        if cache_of(inputs) is None:  # the family restarts from the whole sequence (Phi-3 past its original
+            cache_of(model_kwargs).reset()  # max positions, where its rotary changes): a full-depth prefill again
     return inputs["input_ids"], inputs.get("attention_mask"), inputs.get("position_ids")
 
 
@@ -267,7 +269,7 @@ def early_exit_generate(
     exit_switch: a model pool's (`pool_early_exit.py`): called before every step with `(input_ids, attention_mask, exit
     layers so far, unfinished)`; when it returns `(model, cache, settings)` the loop goes on with that model."""
     require_cache(model_kwargs, "Early-exit decoding")
-    cache = model_kwargs["cache"] = EarlyExitCache.from_cache(model_kwargs["cache"])
+    cache = model_kwargs[CACHE] = EarlyExitCache.from_cache(cache_of(model_kwargs))
     trace = _ExitTrace(model, exit_settings)
     loop = DecodeLoop(input_ids, logits_processor, stopping_criteria, generation_config, exit_streamer)
     unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
@@ -277,20 +279,20 @@ def early_exit_generate(
             switch = exit_switch(input_ids, model_kwargs.get("attention_mask"), trace.exit_layers, unfinished)
             if switch is not None:  # the new model's cache may lack more than the last token: its step prefills them
                 model, cache, exit_settings = switch
-                model_kwargs["cache"], first = cache, True
+                model_kwargs[CACHE], first = cache, True
         ids, mask, position_ids = _step_inputs(model, input_ids, model_kwargs, first)
         logits, exit_layers, greedy = early_exit_step(
             model, ids, mask, position_ids, cache, exit_settings, unfinished, mask_2d=model_kwargs.get("attention_mask")
         )
         first = False
-        model_kwargs = model._update_model_kwargs_for_generation({"cache": cache}, model_kwargs)
+        model_kwargs = model._update_model_kwargs_for_generation(CausalLMOutputWithPast(**{CACHE: cache}), model_kwargs)
         next_tokens = loop.pad_finished(loop.next_tokens(input_ids, logits), unfinished)  # (B,)
         greedy = trace.add(loop, exit_layers, greedy, unfinished, input_ids.device)
         trace.guard_step(model, cache, exit_settings, greedy, unfinished, model_kwargs.get("attention_mask"))
         input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
         loop.stream(next_tokens)
         unfinished = loop.still_unfinished(input_ids, unfinished)
-    return loop.finish(input_ids, GenerateEarlyExitOutput, cache=cache, **trace.fields())
+    return loop.finish(input_ids, GenerateEarlyExitOutput, **{CACHE: cache}, **trace.fields())
 
 
 # ---------------------------------------------------------------------------------------------------------------------

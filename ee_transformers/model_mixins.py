@@ -16,6 +16,7 @@ from transformers import initialization as init
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.utils import logging
 
+from .compat import CACHE, cache_argument, cache_kwargs, cache_of
 from .decode_core import is_lean
 from .draft_table import build_draft_table
 from .drafts import Drafter
@@ -103,6 +104,7 @@ class EarlyExitDecoderMixin(ExitHeadsMixin):
         super().__init__(config)
         self._add_exit_heads(config)
 
+    @cache_argument
     def forward(
         self,
         input_ids=None,
@@ -121,7 +123,7 @@ class EarlyExitDecoderMixin(ExitHeadsMixin):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            cache=cache,
+            **cache_kwargs(cache),
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             **kwargs,
@@ -133,7 +135,7 @@ class EarlyExitDecoderMixin(ExitHeadsMixin):
             )
         return EarlyExitModelOutput(
             last_hidden_state=out.last_hidden_state,
-            cache=out.cache,
+            **{CACHE: cache_of(out)},
             hidden_states=out.hidden_states if user_hidden else None,
             attentions=out.attentions,
             exit_hidden_states=exit_states,

@@ -40,8 +40,8 @@ from transformers import (
 )
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.utils import GENERATION_CONFIG_NAME, logging
-from transformers.utils.deprecation import deprecate_kwarg
 
+from .compat import CACHE, cache_argument, cache_kwargs, cache_of
 from .configuration_early_exit import (
     EarlyExitGemma2Config,
     EarlyExitGemma3Config,
@@ -263,7 +263,7 @@ class EarlyExitMixin(ContinuousBatchingMixin, DraftStateMixin, ExitHeadsMixin):
         return self.exit_heads[self.config.exit_layers.index(layer)](hidden_states)
 
     # forward ------------------------------------------------------------------------------------------------------
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+    @cache_argument
     def forward(
         self,
         input_ids=None,
@@ -291,7 +291,7 @@ class EarlyExitMixin(ContinuousBatchingMixin, DraftStateMixin, ExitHeadsMixin):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            cache=cache,
+            **cache_kwargs(cache),
             inputs_embeds=inputs_embeds,
             labels=labels,
             use_cache=use_cache,
@@ -309,7 +309,7 @@ class EarlyExitMixin(ContinuousBatchingMixin, DraftStateMixin, ExitHeadsMixin):
         return EarlyExitCausalLMOutput(
             loss=out.loss,
             logits=out.logits,
-            cache=out.cache,
+            **{CACHE: cache_of(out)},
             hidden_states=out.hidden_states if user_hidden else None,
             attentions=out.attentions,
             exit_logits=exit_logits,

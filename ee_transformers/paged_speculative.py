@@ -42,9 +42,10 @@ probability near 1 to pay there: at saturation drafting shrinks toward none; a n
 and T + k, so every likely draft goes in.
 
 Where transformers has no public seam (the manager samples itself, one token per decoding request), three methods of
-the batch processor it builds are wrapped per instance, pinned to transformers 5.24 (`check_batching_internals` raises
-on another layout): `inputs_and_outputs.prepare_batch_tensors` (adds the drafts), `_generation_step` (forward, verify),
-`update_batch` (commit the first token through transformers' own update, then the rest, then rollback). A step without
+the batch processor it builds are wrapped per instance, read in transformers 5.19 to 5.24, where they are the same
+(`check_batching_internals` raises, in one line, on a release that lacks them): the IO buffers'
+`prepare_batch_tensors` (adds the drafts), `_generation_step` (forward, verify), `update_batch` (commit the first
+token through transformers' own update, then the rest, then rollback). A step without
 drafts runs transformers' own methods unchanged. With drafts on, prefix sharing of blocks, async batching, CUDA graphs
 and the decode fast path are off; confident exits are not used (drafts decide at full depth).
 
@@ -53,6 +54,7 @@ Part of the Hub runtime: imports only torch, transformers and its siblings.
 
 import copy
 import dataclasses
+import inspect
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -66,6 +68,7 @@ from transformers.generation.continuous_batching.cache_allocators import (
 from transformers.generation.continuous_batching.requests import RequestStatus
 from transformers.utils import logging
 
+from .compat import require_transformers
 from .drafts import MAX_MATCH, SuffixIndex, peers_of, plan_packed
 from .request import PagedDraftSettings
 
@@ -123,10 +126,11 @@ def check_paged_drafts(model, generation_config, cb_config):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# the transformers internals this module wraps (5.24)
+# the transformers internals this module wraps (the same in 5.19 to 5.24)
 # ---------------------------------------------------------------------------------------------------------------------
 def check_batching_internals() -> None:
-    """Raises when the installed transformers does not have the continuous-batching internals the paged drafts wrap."""
+    """Raises `ImportError` (one line) when the installed transformers does not have the continuous-batching internals
+    the paged drafts wrap; `check_paged_drafts` calls it when drafts are turned on."""
     from transformers.generation.continuous_batching.cache_allocators.cache_allocator import BlockLedger
     from transformers.generation.continuous_batching.continuous_api import ContinuousBatchProcessor
     from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs
@@ -146,11 +150,23 @@ def check_batching_internals() -> None:
     missing += [
         f"FutureRequestState.{n}" for n in ("query_length", "has_new_token") if n not in FutureRequestState.__slots__
     ]
-    if missing:
-        raise RuntimeError(
-            f"Drafts in continuous batching wrap transformers 5.24's batch processor; this transformers lacks "
-            f"{missing}. Pass `{DRAFT_FIELD}=None`, or install transformers 5.24."
-        )
+    wrapped = {  # the methods replaced per instance, called with these arguments
+        (ContinuousBatchingIOs, "prepare_batch_tensors"): (
+            "requests_in_batch",
+            "logits_processors",
+            "use_decode_fast_path",
+            "num_q_tokens",
+            "max_kv_read",
+            "use_padding",
+        ),
+        (ContinuousBatchProcessor, "_generation_step"): ("model",),
+        (ContinuousBatchProcessor, "update_batch"): (),
+    }
+    for (cls, name), arguments in wrapped.items():
+        method = getattr(cls, name, None)
+        if method is not None and tuple(inspect.signature(method).parameters)[1:] != arguments:
+            missing.append(f"{cls.__name__}.{name}({', '.join(arguments)})")
+    require_transformers(f"Drafts in continuous batching (`{DRAFT_FIELD}`)", missing)
 
 
 def give_back_blocks(cache, request_id: str, length: int) -> int:

@@ -52,6 +52,7 @@ import torch
 from transformers import DynamicCache
 
 from .cache_early_exit import EarlyExitCache
+from .compat import CACHE
 from .decode_core import ExitCriterion, StepState, deprecated_aliases, first_confident_exit, run_layers
 from .decode_loop import GenerateEarlyExitOutput
 from .request import EXIT_ARGUMENTS, ExitSettings, merged_exit_values, refuse_with_exits, resolve_exit_settings
@@ -317,7 +318,7 @@ class EarlyExitPool:
             )
 
         request = _Request(self.models, settings, input_ids.shape[1], pool_interval, pool_profile_every, pool_costs)
-        kwargs["cache"] = request.caches[0]
+        kwargs[CACHE] = request.caches[0]
         streamer = kwargs.pop("streamer", None)
         # the first model's generate prepares the request (config, logits processors, stopping criteria, expansion)
         # and runs the early-exit loop, which asks `request` before every step which model decides it

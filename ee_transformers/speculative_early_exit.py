@@ -75,6 +75,7 @@ from torch import nn
 from torch.profiler import record_function
 from transformers.utils import logging
 
+from .compat import CACHE, crop_hint
 from .decode_core import deprecated_aliases, run_layers
 from .decode_loop import DecodeLoop, GenerateEarlyExitOutput, require_cache
 from .drafts import pace_setters, plan_padded_fresh
@@ -402,7 +403,10 @@ def _check_call(mode, input_ids, synced_gpus, model_kwargs, streamer):
     if cache.get_seq_length() > 0:
         raise ValueError(f"{mode} starts from an empty cache; pass no `cache` holding a prefix.")
     if not cache.is_croppable:
-        raise ValueError(f"{mode} needs a cache whose rejected slots can be cropped; {type(cache).__name__} cannot be.")
+        raise ValueError(
+            f"{mode} needs a cache whose rejected slots can be cropped; {type(cache).__name__} cannot be"
+            f"{crop_hint(cache)}."
+        )
     if streamer is not None and input_ids.shape[0] > 1:
         raise ValueError(
             f"A streamer takes one row's tokens; with {mode} rows of a batch advance by different amounts, so "
@@ -457,7 +461,9 @@ def _finish(model, loop, batch, cache, stats):
     if loop.pad_mode:
         ended = torch.arange(new_steps, device=device) >= (batch.length - batch.prompt_length)[:, None]
         exit_layers = exit_layers.masked_fill(ended, -1)
-    return loop.finish(sequences, GenerateSpeculativeOutput, cache=cache, exit_layers=exit_layers, **stats.fields())
+    return loop.finish(
+        sequences, GenerateSpeculativeOutput, **{CACHE: cache}, exit_layers=exit_layers, **stats.fields()
+    )
 
 
 def speculative_generate(

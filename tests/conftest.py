@@ -33,6 +33,8 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
+from ee_transformers.compat import cache_of
+
 torch.set_num_threads(1)
 
 
@@ -281,7 +283,7 @@ def own_kv(base, layer: int, states, attention_mask, position_ids):
         single.get_decoder().wpe.weight.data.zero_()
     with torch.no_grad():
         out = single(inputs_embeds=states, attention_mask=attention_mask, position_ids=position_ids, use_cache=True)
-    return out.cache.layers[0]
+    return cache_of(out).layers[0]
 
 
 def cached(layer, kind: str = "keys"):

@@ -9,9 +9,23 @@ from conftest import LayerCalls, padded_batch
 from transformers.generation.streamers import BaseStreamer
 
 import ee_transformers as eet
+from ee_transformers.compat import STATIC_LAYERS_CROP
 
 NEVER = dict(exit_criterion="max_prob", exit_threshold=1.0)  # a softmax of a tiny random model never reaches 1
 ALWAYS = dict(exit_criterion="max_prob", exit_threshold=0.0)  # every row exits at the first checked exit
+
+
+# what a lossless mode (it crops rejected drafts) answers for a static cache on a transformers whose static layers
+# cannot be cropped (before 5.24): the tests of those modes assert it there instead of decoding
+STATIC_REFUSAL = (
+    r"needs a cache whose rejected slots can be cropped; StaticCache cannot be "
+    r"\(static cache layers can be cropped from transformers 5\.24 on; installed: \S+\): leave `cache_implementation` out"
+)
+
+
+def static_cache_refused(cache_implementation) -> bool:
+    """Whether the lossless modes refuse `cache_implementation` on the installed transformers (`STATIC_REFUSAL`)."""
+    return cache_implementation == "static" and not STATIC_LAYERS_CROP
 
 
 def ee_model(base_dirs, family="llama", exit_layers=(0, 1, 2), perturb=True):

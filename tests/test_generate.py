@@ -12,6 +12,7 @@ from conftest import LayerCalls, cached, cut_at_exit, own_kv, padded_batch
 from helpers import Collect, ee_model, numbered_tokenizer, scripted_heads
 
 import ee_transformers as eet
+from ee_transformers.compat import cache_of
 from ee_transformers.tools.bench import ForcedExits
 
 LAYERS = 4  # tiny models: 4 decoder layers, exits after 0, 1, 2, final = 3
@@ -151,13 +152,13 @@ def test_backfilled_kv_equals_skipped_layers_own_projections(base_dirs, family):
     for j in (2, 3):  # the skipped layers
         reference = own_kv(base, j, exit_states, full_mask, positions)  # the layer's own code on the exit states
         for kind in ("keys", "values"):
-            got, want = cached(out.cache.layers[j], kind), cached(reference, kind)
+            got, want = cached(cache_of(out).layers[j], kind), cached(reference, kind)
             tail = min(new, got.shape[2])  # a sliding layer keeps only its window
             torch.testing.assert_close(
                 got[:, :, -tail:], want[:, :, -tail:], rtol=1e-5, atol=1e-5, msg=lambda m: f"layer {j} {kind}: {m}"
             )
     for j in range(LAYERS):  # every layer holds every position
-        assert out.cache.layers[j].get_seq_length() == length
+        assert cache_of(out).layers[j].get_seq_length() == length
 
 
 def test_kv_modules_are_the_modules_a_backfill_calls(base_dirs, family):
@@ -198,15 +199,15 @@ def test_deferred_kv_equals_full_depth_kv_after_a_deep_token(base_dirs, family, 
         return_dict_in_generate=True,
     )
     assert out.exit_layers.tolist() == [[3, 0, 1, 3]] * ids.shape[0]
-    assert out.cache.num_pending == 0
+    assert cache_of(out).num_pending == 0
     cached_ids = out.sequences[:, :-1]
     full_mask = extended_mask(mask, cached_ids.shape[1])
     positions = (full_mask.cumsum(-1) - 1).clamp_min(0)
     with torch.no_grad():
-        reference = base(cached_ids, attention_mask=full_mask, position_ids=positions, use_cache=True).cache
+        reference = cache_of(base(cached_ids, attention_mask=full_mask, position_ids=positions, use_cache=True))
     for j in range(LAYERS):
         for kind in ("keys", "values"):
-            got, want = cached(out.cache.layers[j], kind), cached(reference.layers[j], kind)
+            got, want = cached(cache_of(out).layers[j], kind), cached(reference.layers[j], kind)
             tail = min(got.shape[2], want.shape[2])  # sliding layers: their window; full layers: every position
             valid = full_mask[:, -tail:].bool()[:, None, :, None]
             torch.testing.assert_close(
@@ -229,8 +230,8 @@ def test_deferred_kv_equals_full_depth_kv_after_a_deep_token(base_dirs, family, 
         cache_implementation=cache_implementation,
         return_dict_in_generate=True,
     )
-    assert partial.cache.num_pending == 2
-    assert partial.cache.layers[0].get_seq_length() == partial.cache.layers[3].get_seq_length() + 2
+    assert cache_of(partial).num_pending == 2
+    assert cache_of(partial).layers[0].get_seq_length() == cache_of(partial).layers[3].get_seq_length() + 2
 
 
 def _prompts_for_eos_test(model, scripted_token):
@@ -325,7 +326,7 @@ def test_row_policy_runs_deep_layers_only_for_unconfident_rows(base_dirs, family
     assert out.exit_layers.tolist() == [[0] * 4, [3] * 4, [0] * 4]
     assert counter.rows == [3 * 4, 3 + 3, 3 + 3, 3 + 3]  # layers 1-3: prefill 3 rows, then 1 row per step
     for j in range(LAYERS):
-        assert out.cache.layers[j].get_seq_length() == out.sequences.shape[1] - 1
+        assert cache_of(out).layers[j].get_seq_length() == out.sequences.shape[1] - 1
 
 
 def test_row_policy_batch_row_equals_prompt_alone(base_dirs, family):
@@ -532,8 +533,10 @@ def test_exit_arguments_on_a_model_without_exit_heads(base_dirs):
 @pytest.mark.parametrize("cache_implementation", [None, "static"])
 def test_phi3_cache_restart_at_original_max_positions_equals_base_cut(tmp_path, cache_implementation):
     """Phi-3's `prepare_inputs_for_generation` drops the cache once a sequence outgrows
-    `original_max_position_embeddings` (its long rotary factors take over) and recomputes from the whole sequence;
-    early-exit decoding must restart the same way, not append the sequence to the old cache."""
+    `original_max_position_embeddings` (its long rotary factors take over) and recomputes from the whole sequence
+    (from transformers 5.20 on; 5.19 feeds only the last token to the emptied cache, at every later step too);
+    early-exit decoding must restart the same way as the family's own generate, not append the sequence to the old
+    cache."""
     from conftest import make_base
 
     base = make_base("phi3", original_max_position_embeddings=9)
@@ -555,9 +558,10 @@ def test_phi3_cache_restart_at_original_max_positions_equals_base_cut(tmp_path, 
         return_dict_in_generate=True,
         **kwargs,
     )
-    expected = cut_at_exit(base, model, 1).generate(ids, **kwargs)
-    assert torch.equal(out.sequences, expected)
-    assert out.cache.get_seq_length() == out.sequences.shape[1] - 1
+    expected = cut_at_exit(base, model, 1).generate(ids, return_dict_in_generate=True, **kwargs)
+    assert torch.equal(out.sequences, expected.sequences)
+    # what the restart kept (5.20 on: every position but the last token's)
+    assert cache_of(out).get_seq_length() == cache_of(expected).get_seq_length()
 
 
 @pytest.mark.parametrize(
@@ -600,7 +604,7 @@ def test_backfill_goes_through_lora_wrapped_projections(base_dirs, family_name, 
     for j in (2, 3):
         reference = own_kv(merged, j, exit_states, full_mask, positions)
         for kind in ("keys", "values"):
-            got, want = cached(out.cache.layers[j], kind), cached(reference, kind)
+            got, want = cached(cache_of(out).layers[j], kind), cached(reference, kind)
             torch.testing.assert_close(
                 got[:, :, -new:], want[:, :, -new:], rtol=1e-4, atol=1e-4, msg=lambda m: f"layer {j} {kind}: {m}"
             )

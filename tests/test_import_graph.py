@@ -25,6 +25,7 @@ RUNTIME = {
     f"{PACKAGE}.{name}"
     for name in (
         "cache_early_exit",
+        "compat",
         "configuration_early_exit",
         "decode_core",
         "decode_loop",

@@ -258,3 +258,17 @@ def test_public_function_names_of_the_runtime_are_unique():
                 seen.setdefault(node.name, set()).add(f"ee_transformers.{path.stem}")
     duplicates = {name: sorted(modules) for name, modules in seen.items() if len(modules) > 1}
     assert not duplicates, duplicates
+
+
+def test_the_supported_transformers_range_is_one_range_and_holds_the_installed_release():
+    """pyproject's transformers requirement (the package and its `serving` / `all` extras) is compat.py's
+    `SUPPORTED`, the range scripts/setup.sh installs from (its lowest and highest release are what CI runs)."""
+    import transformers
+    from packaging.specifiers import SpecifierSet
+
+    from ee_transformers.compat import BELOW, NEWEST, OLDEST, SUPPORTED
+
+    pinned = re.findall(r'"transformers(?:\[serving\])?([^"]*)"', (ROOT / "pyproject.toml").read_text())
+    assert len(pinned) == 3 and set(pinned) == {SUPPORTED.removeprefix("transformers")}, pinned
+    assert SpecifierSet(pinned[0]) == SpecifierSet(f">={OLDEST},<{BELOW}") and NEWEST in SpecifierSet(pinned[0])
+    assert transformers.__version__ in SpecifierSet(pinned[0]), transformers.__version__

@@ -15,6 +15,7 @@ from conftest import cut_at_exit, padded_batch
 from helpers import NEVER, numbered_tokenizer, scripted_heads
 
 import ee_transformers as eet
+from ee_transformers.compat import cache_of
 from ee_transformers.generation_early_exit import EXIT_CRITERIA, ExitCriterion
 from ee_transformers.lean_early_exit import ShedLayer, kv_bytes_per_token, memory_report, resident_parameter_bytes
 
@@ -248,12 +249,12 @@ def test_shed_layers_are_never_read_hold_no_memory_and_get_no_kv(base_dirs, monk
         return_dict_in_generate=True,
     )
     for j in (2, 3):
-        assert getattr(out.cache.layers[j], "keys", None) is None or out.cache.layers[j].keys.numel() == 0
-    kv = kv_bytes_per_token(out.cache)
+        assert getattr(cache_of(out).layers[j], "keys", None) is None or cache_of(out).layers[j].keys.numel() == 0
+    kv = kv_bytes_per_token(cache_of(out))
     per_layer = 2 * lean.config.num_key_value_heads * (lean.config.hidden_size // lean.config.num_attention_heads) * 4
     assert kv["layers"] == 2 and kv["bytes_per_token"] == 2 * per_layer
     assert kv["kept_bytes_per_token"] == 0  # no guard: nothing kept for deepening
-    report = memory_report(lean, out.cache)
+    report = memory_report(lean, cache_of(out))
     assert report["loaded_layers"] == 2 and report["kv_bytes_per_token"] == 2 * per_layer
 
 
@@ -399,8 +400,8 @@ def test_deepening_through_every_exit_equals_full_model_with_the_same_decisions_
     valid = torch.cat([mask, torch.ones(2, 9, dtype=mask.dtype)], dim=1).bool()[:, None, :, None]
     for j in range(4):  # deep K/V exact: what the fully loaded model's deferred K/V hold, at every real position
         for got, ref in (
-            (out.cache.layers[j].keys, want.cache.layers[j].keys),
-            (out.cache.layers[j].values, want.cache.layers[j].values),
+            (cache_of(out).layers[j].keys, cache_of(want).layers[j].keys),
+            (cache_of(out).layers[j].values, cache_of(want).layers[j].values),
         ):
             torch.testing.assert_close(got * valid, ref * valid, rtol=1e-5, atol=1e-5)
 
@@ -423,7 +424,7 @@ def test_kept_states_follow_each_row_under_the_row_policy(base_dirs):
             exit_breach_window=4,
             return_dict_in_generate=True,
         )
-        kept[name] = (out.sequences, out.cache.pending[0].states)
+        kept[name] = (out.sequences, cache_of(out).pending[0].states)
     # rows 0 and 2 ran to layer 1 both times: their kept states do not depend on row 1 (up to fp32 rounding: after
     # row 1 exits they run in a 2-row batch instead of 3, and the CPU's matrix kernels block 2 and 3 rows differently;
     # seen here: 4e-9 apart)
@@ -458,9 +459,9 @@ def test_guard_on_keeps_the_states_leaving_the_max_layer_and_limit_one_never_dee
         return_dict_in_generate=True,
     )
     assert out.deepenings == [] and out.greedy_exits.all() and lean.exit_max_layer == 1
-    kept = out.cache.pending[0]  # every position fed so far (prompt + 3 tokens), the stream leaving layer 1
+    kept = cache_of(out).pending[0]  # every position fed so far (prompt + 3 tokens), the stream leaving layer 1
     assert kept.depth == 2 and kept.states.shape == (2, ids.shape[1] + 3, lean.config.hidden_size)
-    assert kv_bytes_per_token(out.cache)["kept_bytes_per_token"] == lean.config.hidden_size * 4
+    assert kv_bytes_per_token(cache_of(out))["kept_bytes_per_token"] == lean.config.hidden_size * 4
 
 
 # --- bad input -----------------------------------------------------------------------------------------------------

@@ -426,13 +426,26 @@ def test_what_drafts_in_continuous_batching_cannot_honour_raises(base_dirs, sett
         )
 
 
-def test_the_wrapped_transformers_internals_are_there(monkeypatch):
-    """The paged drafts wrap transformers 5.24's batch processor: on another release, re-read `input_outputs.py`,
-    `continuous_api.py` (update_batch, _generation_step) and the cache allocators before moving this pin."""
-    assert transformers.__version__.startswith("5.24."), transformers.__version__
+def test_the_wrapped_transformers_internals_are_there(base_dirs, monkeypatch):
+    """The paged drafts wrap transformers' batch processor as 5.19 to 5.24 have it (the same there): on the installed
+    release the check passes; on one without what they wrap, turning drafts on refuses in one line naming the
+    releases (re-read `input_outputs.py`, `continuous_api.py` and the cache allocators before widening the range)."""
+    from ee_transformers.compat import OLDEST
+
+    installed = tuple(int(p) for p in transformers.__version__.split(".")[:2])
+    assert tuple(int(p) for p in OLDEST.split(".")) <= installed < (5, 25), transformers.__version__
     check_batching_internals()
+    model = ee_model(base_dirs)
     monkeypatch.delattr(ContinuousBatchProcessor, "update_batch")
-    with pytest.raises(RuntimeError, match="update_batch"):
+    with pytest.raises(ImportError, match="update_batch") as refused:
+        model.init_continuous_batching(
+            generation_config=config(prompt_lookup_num_tokens=2), continuous_batching_config=CB
+        )
+    message = str(refused.value)
+    assert "\n" not in message and "transformers 5.19 to 5.24" in message and "transformers>=5.19,<5.25" in message
+    monkeypatch.undo()
+    monkeypatch.setattr(ContinuousBatchProcessor, "update_batch", lambda self, extra: None)  # another signature
+    with pytest.raises(ImportError, match=r"ContinuousBatchProcessor.update_batch\(\)"):
         check_batching_internals()
     assert paged_speculative.DRAFT_FIELD == "prompt_lookup_num_tokens"
 

@@ -21,6 +21,7 @@ from ee_transformers.tools.serve import (
     parse_bytes,
     plan_paged_cache,
     request_error,
+    server_seams_missing,
 )
 
 openai = pytest.importorskip("openai")
@@ -238,6 +239,22 @@ def test_checks_name_the_field():
     assert length_error(100, 61, plan, "/v1/chat/completions").param == "max_completion_tokens"
     assert length_error(160, 1, plan, "/v1/chat/completions").param == "messages"
     assert "paged cache" in length_error(100, 61, plan, "/v1/completions").message
+
+
+def test_a_transformers_without_the_server_seams_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
+    """The hooks wrap transformers' server as 5.19 to 5.24 have it (all there on the installed release); on a release
+    without one of those seams the command refuses in one line naming it, before it loads anything."""
+    from transformers.cli.serving import utils
+
+    assert server_seams_missing() == []
+    _, folder = served_folders(tmp_path)
+    capsys.readouterr()  # the folders' progress bars
+    monkeypatch.setattr(utils, "CBGenerateManager", type("CBGenerateManager", (), {}))  # a release that lacks it
+    with pytest.raises(SystemExit) as stop:
+        main([str(folder), "--continuous-batching"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1, err
+    assert "CBGenerateManager.generate_streaming" in err and "transformers 5.19 to 5.24" in err, err
 
 
 def test_cache_flags_need_continuous_batching(tmp_path, capsys):

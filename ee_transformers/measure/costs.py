@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
+from ee_transformers.compat import cache_kwargs
 from ee_transformers.generation_early_exit import LOGIT_CRITERIA
 
 __all__ = ["measure_costs", "step_cost", "full_step_cost", "ideal_speedup", "interp"]
@@ -67,7 +68,7 @@ def _measure_rows(model, rows, prompt_length, context, repeats, seed):
     prompt = torch.randint(3, config.vocab_size, (rows, prompt_length), generator=generator).to(device)
     ids = torch.randint(3, config.vocab_size, (rows, context), generator=generator).to(device)
     cache = DynamicCache(config=config)
-    decoder(input_ids=ids, cache=cache, use_cache=True)  # a real context's K/V behind the timed step
+    decoder(input_ids=ids, **cache_kwargs(cache), use_cache=True)  # a real context's K/V behind the timed step
 
     fam = model.family
 
@@ -101,7 +102,9 @@ def _measure_rows(model, rows, prompt_length, context, repeats, seed):
         "prefill": (
             lambda: fam.head_logits(
                 model,
-                decoder(input_ids=prompt, cache=DynamicCache(config=config), use_cache=True).last_hidden_state[:, -1],
+                decoder(
+                    input_ids=prompt, **cache_kwargs(DynamicCache(config=config)), use_cache=True
+                ).last_hidden_state[:, -1],
             ),
             None,
             10,

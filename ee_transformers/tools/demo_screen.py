@@ -88,6 +88,9 @@ class _Screen:
             "|---|---|---|---|---|---|---|---|---|",
         ]
 
+    def not_run(self, mode, b, why):
+        self.lines.append(f"| {mode} | {b} | {why} | - | - | - | - | - | - |")
+
     def row(self, mode, b, speed, q, resident, meaning):
         self.lines.append(
             f"| {mode} | {b} | {speed} | {q['per_token_agreement']:.3f} | {q['identical_share']:.3f} | "
@@ -133,7 +136,7 @@ def gains(
     print(f"   full depth and calibrated rows: {_minutes(part)} min")
     if lossless is not None:
         part = time.perf_counter()
-        _lossless_rows(model, plain, prompts, lossless, batch_sizes, new_tokens, screen.weights, screen.row, reference)
+        _lossless_rows(model, plain, prompts, lossless, batch_sizes, new_tokens, screen, reference)
         print(f"   lossless rows: {_minutes(part)} min")
     lines = screen.lines
     if calibration_texts and folder and (report.get("chosen") or closest is not None):
@@ -247,11 +250,13 @@ class _Acceptance:
         return sum(int(a.sum()) for a, _ in pairs) / drafted if drafted else None
 
 
-def _lossless_rows(model, plain, prompts, lossless, batch_sizes, new_tokens, weights, row, reference):
-    """Adds (through `row`) the lossless rows: ours with the setting lossless calibration stored (or came closest
+def _lossless_rows(model, plain, prompts, lossless, batch_sizes, new_tokens, screen, reference):
+    """Adds to `screen` the lossless rows: ours with the setting lossless calibration stored (or came closest
     with) at every batch size, transformers' prompt lookup (batch 1; it refuses more), and self-speculation from an
-    exit and transformers' `assistant_early_exit` (batch 1, on `SLOW_ROW_PROMPTS` of the prompts), timed against
-    full depth on the final screen's prompts (not calibration's), paired and interleaved."""
+    exit and transformers' `assistant_early_exit` (batch 1, on `SLOW_ROW_PROMPTS` of the prompts; a row saying why
+    where the installed transformers cannot run it), timed against full depth on the final screen's prompts (not
+    calibration's), paired and interleaved."""
+    from ee_transformers.compat import layer_skip_failure
     from ee_transformers.measure.timing import greedy_generation_config, without_eos
     from ee_transformers.speculative_early_exit import DRAFT_SOURCES, OUR_FIELDS
     from ee_transformers.tools import bench
@@ -275,7 +280,8 @@ def _lossless_rows(model, plain, prompts, lossless, batch_sizes, new_tokens, wei
             runs = [(batches, [rows["ours"]])]
             if b == 1:  # transformers' rows refuse batch > 1; the exit-draft rows: see SLOW_ROW_PROMPTS
                 runs = [(batches, [rows["ours"], rows["transformers"]])]
-                runs.append((batches[:SLOW_ROW_PROMPTS], [rows["exit drafts"], rows["transformers-exit"]]))
+                slow = [rows["exit drafts"]] + ([rows["transformers-exit"]] if layer_skip_failure() is None else [])
+                runs.append((batches[:SLOW_ROW_PROMPTS], slow))
             q_full = _quality(plain, reference, b, {})
             for timed, these in runs:
                 hush = rows["transformers-exit"] in these  # only where transformers makes that call itself
@@ -287,14 +293,16 @@ def _lossless_rows(model, plain, prompts, lossless, batch_sizes, new_tokens, wei
                     mode, meaning = _lossless_row_text(r["name"], lossless, b, setting, exit_name, layer_skip)
                     if len(timed) < len(batches):
                         meaning += f" (timed at batch 1 only, on {len(timed)} of the {len(batches)} prompts)"
-                    row(
+                    screen.row(
                         mode,
                         b,
                         _lossless_speed(r, ours.rate(r["kwargs"]) if r["who"] == "ours" else None),
                         q_full,
-                        weights,
+                        screen.weights,
                         meaning,
                     )
+            if b == 1 and layer_skip_failure() is not None:
+                screen.not_run("transformers' assistant_early_exit", b, layer_skip_failure())
 
 
 class _AssistantCall(logging.Filter):

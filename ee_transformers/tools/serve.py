@@ -37,6 +37,9 @@ What this adds to transformers' server, and nothing else:
 Sequential serving (no `--continuous-batching`) runs `model.generate`, so per-request settings work there. With
 `--continuous-batching`, exits run inside transformers' continuous batching (`paged_early_exit.py`).
 
+The hooks wrap transformers' server as 5.19 to 5.24 have it (`server_seams_missing`: the same there); on a release
+without those seams the command refuses in one line naming them.
+
 The paged cache's size is tools/serve_cache.py's, the checks of a request tools/serve_requests.py's; their names stay
 importable from here.
 """
@@ -44,12 +47,14 @@ importable from here.
 import argparse
 import asyncio
 import contextvars
+import inspect
 import json
 import sys
 import uuid
 
 import transformers
 
+from ee_transformers.compat import require_transformers
 from ee_transformers.convert import read_config
 from ee_transformers.generation_early_exit import EXIT_ARGUMENTS, resolve_exit_settings
 from ee_transformers.modeling_early_exit import FAMILIES
@@ -255,6 +260,29 @@ def _length_checked(method, hooks: ServerHooks, batched: bool = False):
     return checked
 
 
+def server_seams_missing() -> list[str]:
+    """What `install_hooks` and `ServerHooks` wrap or read in transformers' server that the installed release lacks:
+    the app factory `build_server(..., generation_state=...)`, both generation managers' `generate_streaming` /
+    `generate_non_streaming`, and where the server keeps its batching manager (`GenerationState._cb_manager`,
+    `CBGenerateManager._cb`)."""
+    from transformers.cli.serving import server, utils  # noqa: PLC0415
+
+    missing = []
+    build = getattr(server, "build_server", None)
+    build = getattr(build, "__wrapped__", build)
+    if build is None or "generation_state" not in inspect.signature(build).parameters:
+        missing.append("cli.serving.server.build_server(generation_state=...)")
+    for name in ("GenerateManager", "CBGenerateManager"):
+        cls = getattr(utils, name, None)
+        missing += [f"cli.serving.utils.{name}.{m}" for m in ("generate_streaming", "generate_non_streaming")
+                    if not hasattr(cls, m)]  # fmt: skip
+    for name, attribute in (("GenerationState", "_cb_manager"), ("CBGenerateManager", "_cb")):
+        init = vars(getattr(utils, name, object)).get("__init__")  # where the attribute is set
+        if init is None or f"self.{attribute}" not in inspect.getsource(init):
+            missing.append(f"cli.serving.utils.{name}.{attribute}")
+    return missing
+
+
 def install_hooks(hooks: ServerHooks) -> None:
     """Wraps transformers' app factory (`build_server`, the one seam its server offers) so the app it returns checks
     requests first, answers `RequestRefused` with 400 and `GET /v1/ee/cache`, and its generation managers check
@@ -414,6 +442,10 @@ def serve(
         raise InputError(
             f"serving needs transformers' server: pip install 'ee-transformers[serving]' ({error})"
         ) from error
+    try:
+        require_transformers("`ee-transformers serve`", server_seams_missing())
+    except ImportError as error:  # one line, as every other refusal of the command
+        raise InputError(str(error)) from None
     if not read_config(folder, "folder").get("exit_layers"):
         raise InputError(f"`folder` {str(folder)!r} is not an early-exit folder (its config has no `exit_layers`).")
     model_config = transformers.AutoConfig.from_pretrained(folder, trust_remote_code=True)

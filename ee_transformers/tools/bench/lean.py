@@ -32,6 +32,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from ee_transformers.compat import cache_of
 from ee_transformers.generation_early_exit import ExitStats
 from ee_transformers.lean_early_exit import kv_bytes_per_token, resident_parameter_bytes
 from ee_transformers.utils.arguments import (
@@ -205,7 +206,7 @@ def measure_memory(model, prompts, new_tokens, exit_kwargs, batch_sizes=(1, 2)) 
     for b in batch_sizes:
         with PeakMemory() as meter:
             out = _generate(model, prompts, b, new_tokens, exit_kwargs)
-            kv = kv_bytes_per_token(out.cache)
+            kv = kv_bytes_per_token(cache_of(out))
             del out
         peaks[b] = meter.peak
     (b1, p1), (b2, p2) = sorted(peaks.items())[:2]

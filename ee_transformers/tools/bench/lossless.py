@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from ee_transformers.compat import layer_skip_failure
 from ee_transformers.measure.lossless import measure_rows, measure_workload
 from ee_transformers.speculative_early_exit import GATE_FIELD, TABLE_FIELD, WIDTH_FIELD
 from ee_transformers.tools.arguments import (
@@ -171,7 +172,8 @@ def lossless_rows(config: LosslessConfig) -> list[dict]:
                 rows.append(dict(name=name + tag + ", heuristic", who="ours", kwargs=heuristic, batch_1_only=False))
     for e in config.exits or []:
         exit_draft = dict(assistant_early_exit=e, num_assistant_tokens=config.num_assistant_tokens)
-        rows.append(dict(name=f"exit drafts @{e}", who="transformers", kwargs=exit_draft, batch_1_only=True))
+        if layer_skip_failure() is None:  # transformers' own, where the installed release can run it
+            rows.append(dict(name=f"exit drafts @{e}", who="transformers", kwargs=exit_draft, batch_1_only=True))
         for vocab in [None] + list(config.vocab_sizes or []):
             ours = exit_draft if vocab is None else {**exit_draft, "assistant_vocab_size": vocab}
             tag = "" if vocab is None else f", top-{vocab} draft vocabulary"
@@ -223,7 +225,11 @@ def run_lossless(ee, plain, prompts, config: LosslessConfig, log=print) -> dict:
                 continue
             batches = make_batches(prompts, batch_size, max(1, config.num_prompts // batch_size), ee.device)
             results += measure_rows(ee, plain, batches, rows, generation_config, config.rounds, log)
-    return {"config": asdict(config), "results": results}
+    report = {"config": asdict(config), "results": results}
+    if config.exits and layer_skip_failure() is not None:
+        report["not_run"] = {"transformers exit drafts": layer_skip_failure()}
+        log(f"[bench-lossless] transformers' exit drafts: {layer_skip_failure()}")
+    return report
 
 
 def format_lossless(report: dict) -> str:
@@ -242,6 +248,7 @@ def format_lossless(report: dict) -> str:
     plain = {r["batch_size"]: r["plain_ms_per_token"] for r in report["results"]}
     lines.append("")
     lines.append("plain: " + ", ".join(f"batch {b}: {ms:.1f} ms per step" for b, ms in plain.items()))
+    lines += [f"{name}: {why}" for name, why in report.get("not_run", {}).items()]
     return "\n".join(lines)
 
 

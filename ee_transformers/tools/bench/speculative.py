@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from ee_transformers.compat import layer_skip_failure
 from ee_transformers.measure.timing import greedy_generation_config, only_these_drafts, without_eos
 from ee_transformers.tools.bench.loading import heldout_prompts, load_models, make_batches, plain_twin, random_prompts
 from ee_transformers.tools.bench.speculative_costs import (  # noqa: F401 (also importable from here, as before)
@@ -304,6 +305,9 @@ def _run(ee_model, plain_model, prompts, config: SpeculativeConfig, log):
         "costs": costs,
         "results": results,
     }
+    if config.transformers and layer_skip_failure() is not None:
+        report["not_run"] = {"transformers' assistant_early_exit": layer_skip_failure()}
+        log(f"[bench-speculative] transformers' assistant_early_exit: {layer_skip_failure()}")
     report["targets"] = evaluate_targets(report)
     return report
 
@@ -332,7 +336,7 @@ def _head_results(ee_model, plain_model, exits, at: _AtBatch, config: Speculativ
         for e in exits
         for k in config.ks
     ]
-    if config.transformers and at.size == 1:
+    if config.transformers and at.size == 1 and layer_skip_failure() is None:
         cases += [dict(c, mode="transformers") for c in cases]
     if not cases:
         return []
@@ -348,7 +352,7 @@ def _forced_results(ee_model, exit_layer, rate, at: _AtBatch, config: Speculativ
     cases = [
         dict(mode="ours", profile=f"forced {rate:g}", exit_layer=exit_layer, k=k, threshold=0.0) for k in config.ks
     ]
-    if config.transformers and at.size == 1 and rate == 1.0:  # its draft head is the final norm
+    if config.transformers and at.size == 1 and rate == 1.0 and layer_skip_failure() is None:  # draft head: final norm
         cases += [dict(c, mode="transformers") for c in cases]
     runs = [(f"{c['mode']} {c['profile']} E={exit_layer} K={c['k']}", _case_run(c, forced, twin, at)) for c in cases]
     return _measured(cases, runs, _plain(twin, at.batch, at.new_tokens), at, config, log)
@@ -463,6 +467,7 @@ def format_table(report):
             f"{_fmt(r.get('ideal_speedup'))} | {_fmt(r.get('realised_over_ideal'))} | "
             f"{'yes' if r['identical'] else 'NO'} |"
         )
+    lines += [f"\n{name}: {why}" for name, why in report.get("not_run", {}).items()]
     lines += [
         "",
         "| cost (ms) at batch | layer, 1 position | layer, K+1 positions | final head, 1 / K+1 | "

@@ -10,6 +10,8 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
+from ee_transformers.compat import cache_kwargs
+
 
 def _sync(device):
     if device.type == "cuda":
@@ -86,7 +88,7 @@ def measure_costs(model, batch_size, max_positions, prompt_length=64, context=96
         return torch.randint(3, config.vocab_size, (batch_size, length), generator=generator).to(device)
 
     cache = DynamicCache(config=config)
-    fam.decoder(model)(input_ids=ids(context), cache=cache, use_cache=True)
+    fam.decoder(model)(input_ids=ids(context), **cache_kwargs(cache), use_cache=True)
     pieces, state = {}, {"j": -1}
     for q in range(1, max_positions + 1):
         position_ids = (torch.arange(q, device=device) + context).expand(batch_size, -1)
@@ -110,7 +112,7 @@ def measure_costs(model, batch_size, max_positions, prompt_length=64, context=96
                     lambda: fam.head_logits(
                         model,
                         fam.decoder(model)(
-                            input_ids=prompt, cache=DynamicCache(config=config), use_cache=True
+                            input_ids=prompt, **cache_kwargs(DynamicCache(config=config)), use_cache=True
                         ).last_hidden_state[:, -1],
                     ),
                     None,
