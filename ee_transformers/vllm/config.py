@@ -32,11 +32,12 @@ class PluginSettings:
     fill: bool = True
 
 
-def requested_values(model_config) -> dict:
-    """The exit settings asked for: the generation config vLLM reads for this model, then the server's overrides."""
+def requested_values(model_config, names=PLUGIN_FIELDS) -> dict:
+    """The settings `names` asked for: the generation config vLLM reads for this model, then the server's
+    overrides."""
     stored = {} if model_config.generation_config == "vllm" else model_config.try_get_generation_config()
     values = {**stored, **(model_config.override_generation_config or {})}
-    return {name: values.get(name) for name in PLUGIN_FIELDS}
+    return {name: values.get(name) for name in names}
 
 
 def _forced(hf_config, spec, seed):
@@ -98,8 +99,13 @@ def resolve_plugin_settings(hf_config, values: dict) -> PluginSettings:
 
 
 def plugin_settings(vllm_config) -> PluginSettings:
+    """The settings of this server; exits off under speculative decoding (drafts are verified at full depth: a step
+    that verifies none would otherwise exit, and the answer would no longer be the full model's)."""
     model_config = vllm_config.model_config
-    return resolve_plugin_settings(model_config.hf_config, requested_values(model_config))
+    settings = resolve_plugin_settings(model_config.hf_config, requested_values(model_config))
+    if vllm_config.speculative_config is not None:
+        settings.exits = None
+    return settings
 
 
 __all__ = ["FORCED_FIELDS", "PLUGIN_FIELDS", "PluginSettings", "plugin_settings", "resolve_plugin_settings"]

