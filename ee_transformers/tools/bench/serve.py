@@ -196,7 +196,7 @@ def _free_port() -> int:
 
 
 class ServerProcess:
-    """A server as a child process on 127.0.0.1; `stop()` kills it by its PID."""
+    """A server as a child process on 127.0.0.1, in a process group of its own; `stop()` kills the group."""
 
     def __init__(self, argv: list, threads: int, log_path: Path, env: dict | None = None, vllm: bool = False):
         self.port, self.log_path = _free_port(), log_path
@@ -207,7 +207,11 @@ class ServerProcess:
             *where,
             *(["--uvicorn-log-level", "warning"] if vllm else ["--device", "cpu", "--log-level", "warning"]),
         ]
-        self.proc = subprocess.Popen(argv, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=env)
+        # its own process group: vLLM's engine and worker are child processes, which a kill of the server alone
+        # leaves running (each holding its K/V cache and spinning its threads on the next server's cores)
+        self.proc = subprocess.Popen(
+            argv, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
         deadline = time.time() + 900  # vLLM compiles its model at start-up
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -228,7 +232,7 @@ class ServerProcess:
 
     def stop(self) -> str:
         """Kills the server; its log, with this machine's paths made portable (also in the file)."""
-        os.kill(self.proc.pid, signal.SIGKILL)
+        os.killpg(self.proc.pid, signal.SIGKILL)  # the server and every process it started
         self.proc.wait(timeout=60)
         text = portable(self.log_path.read_text())
         self.log_path.write_text(text)
@@ -505,7 +509,7 @@ def run_serve_bench(
         for kind, mode in runs:
             vllm = kind in VLLM_SERVERS
             reference = references["vllm" if vllm else "transformers"]
-            served = base if kind in ("plain", "vllm-plain") else model
+            served = base if kind in ("plain", "vllm-plain", "vllm-ngram") else model
             if vllm:
                 env = {"VLLM_CPU_KVCACHE_SPACE": str(config.vllm_kv_cache_gib), "VLLM_LOGGING_LEVEL": "WARNING"}
                 argv = _vllm_argv(kind, model, base, config, mode)
