@@ -118,3 +118,21 @@ def test_results_name_no_path_of_this_machine():
 
     text = f"Loading {Path.home()}/.cache/m and {os.getcwd()}{os.sep}runs/ee"
     assert portable(text) == "Loading ~/.cache/m and runs/ee"
+
+
+def test_vllm_servers_keep_a_stored_lossless_mode_off_where_they_measure_exits(tmp_path):
+    """A folder's stored lossless mode turns our proposer on in vLLM (and its exits off), so the exits-off and forced
+    rows must switch it off; the drafts row names the proposer with the stored number of drafts."""
+    from ee_transformers.tools.bench.serve import _vllm_argv
+
+    (tmp_path / "generation_config.json").write_text(json.dumps({"prompt_lookup_num_tokens": 3}))
+    config = ServeBenchConfig()
+
+    def flag(kind, name):
+        argv = _vllm_argv(kind, str(tmp_path), "base", config, "eager")
+        return json.loads(argv[argv.index(name) + 1]) if name in argv else None
+
+    assert flag("vllm-off", "--override-generation-config") == {"early_exit": False, "prompt_lookup_num_tokens": 0}
+    assert flag("vllm-forced-50", "--override-generation-config")["prompt_lookup_num_tokens"] == 0
+    assert flag("vllm-drafts", "--speculative-config")["num_speculative_tokens"] == 3
+    assert flag("vllm-plain", "--speculative-config") is None

@@ -262,10 +262,14 @@ def test_olmo2_is_refused_in_one_line(folders):
 
 
 # the package's drafter as vLLM's proposer --------------------------------------------------------------------------
+def drafter(llm):
+    """The engine's proposer (it lives beside the model, in the engine's runner, in this process)."""
+    return llm.llm_engine.model_executor.driver_worker.worker.model_runner.drafter
+
+
 def drafter_stats(llm):
-    """The proposer's counts (it lives beside the model, in the engine's runner, in this process)."""
-    runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
-    return runner.drafter.stats()
+    """The proposer's counts."""
+    return drafter(llm).stats()
 
 
 def answers(llm, prompts, lengths):
@@ -290,8 +294,11 @@ def test_our_proposer_answers_what_plain_vllm_answers(folders):
     llm = engine(folder, drafts=4)
     ours = answers(llm, PROMPTS, first), answers(llm, PROMPTS, second)
     counted = drafter_stats(llm)
+    timed = list(drafter(llm).drafter.packed.samples)
     close(llm)
     assert ours == plain
+    # the gate's step costs: timed steps, each its seconds (the fit's target) and 0 / 1 for "verifies drafts"
+    assert timed and all(0 < seconds < 5 and features[-1] in (0.0, 1.0) for features, seconds in timed), timed
     assert [len(t) for t in ours[1]] == [len(t) for t in plain[1]]
     assert counted["accepted"] > 0, f"the repeated prompts must accept drafts from the history: {counted}"
     assert counted["requests"] >= len(PROMPTS) and counted["history_tokens"] > 0, counted
@@ -312,3 +319,34 @@ def test_a_bad_draft_setting_stops_start_up_naming_it(folders):
     _, folder = folders["llama"]
     with pytest.raises(Exception, match="`speculative_history_tokens`"):
         engine(folder, drafts=3, speculative_history_tokens=-1)
+
+
+def test_a_stored_lossless_mode_serves_with_our_proposer(folders, tmp_path):
+    """A folder whose stored settings hold a lossless mode (`prompt_lookup_num_tokens`, as calibration writes it)
+    starts with our proposer and that many drafts, and answers what plain vLLM answers; the user's
+    `speculative_config` wins, and `prompt_lookup_num_tokens: 0` serves without drafts."""
+    import json
+    import shutil
+
+    base, folder = folders["llama"]
+    stored = shutil.copytree(folder, tmp_path / "lossless")
+    config = json.loads((stored / "generation_config.json").read_text())
+    (stored / "generation_config.json").write_text(json.dumps({**config, "prompt_lookup_num_tokens": 3}))
+    llm = engine(base)
+    plain = answers(llm, PROMPTS, [NEW_TOKENS] * 3)
+    close(llm)
+
+    llm = engine(str(stored))
+    spec = llm.llm_engine.vllm_config.speculative_config
+    assert (spec.method, spec.model, spec.num_speculative_tokens) == (PROPOSER["method"], PROPOSER["model"], 3)
+    assert answers(llm, PROMPTS, [NEW_TOKENS] * 3) == plain
+    assert drafter_stats(llm)["steps"] > 0, "our proposer must have been called"
+    close(llm)
+
+    llm = engine(str(stored), drafts=2)  # the user's own speculative config
+    assert llm.llm_engine.vllm_config.speculative_config.num_speculative_tokens == 2
+    close(llm)
+    llm = engine(str(stored), prompt_lookup_num_tokens=0)
+    assert llm.llm_engine.vllm_config.speculative_config is None
+    assert answers(llm, PROMPTS, [NEW_TOKENS] * 3) == plain
+    close(llm)

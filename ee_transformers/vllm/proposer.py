@@ -157,7 +157,7 @@ class EarlyExitProposer:
         self.steps += 1
         step, taken = self.steps, set()
         texts: list[_Text | None] = []
-        continued = True  # every row continues a text drafted for at the last call: the step is timed
+        continued = True  # every row continues a text seen at the last call (no prompt in the step): the step is timed
         for i, sampled in enumerate(sampled_token_ids):
             n = int(num_tokens_no_spec[i])
             if not sampled or n >= self.max_model_len - 1:
@@ -169,10 +169,11 @@ class EarlyExitProposer:
             if text is None:
                 text, continued = _Text(self.settings.ngram_size, n - len(sampled)), False
                 self.rows.add(tokens, text)
-            elif text.chain is not None and text.step == step - 1:  # verified: the drafts kept, plus one token
-                accepted = min(len(sampled) - 1, text.k)
-                self.drafter.observe(text.chain, accepted, drafted=text.k)
-                self.totals["accepted"] += accepted
+            elif text.step == step - 1:  # a decode step of this text; with drafts, verified: those kept, plus one
+                if text.chain is not None:
+                    accepted = min(len(sampled) - 1, text.k)
+                    self.drafter.observe(text.chain, accepted, drafted=text.k)
+                    self.totals["accepted"] += accepted
             else:
                 continued = False
             text.index.extend(tokens[text.seen : n].tolist())
@@ -180,7 +181,8 @@ class EarlyExitProposer:
             taken.add(id(text))
             texts.append(text)
         if self._last is not None and continued and any(t is not None for t in texts):
-            self.drafter.packed.observe(*self._last[1], start - self._last[0])
+            tokens, rows, keys, drafted = self._last[1]
+            self.drafter.packed.observe(tokens, rows, keys, start - self._last[0], drafted=drafted)
         for text in self.rows.gone(step):
             self.drafter.finish(text.index.tokens[text.prompt :])
             self.totals["requests"] += 1

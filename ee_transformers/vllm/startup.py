@@ -24,21 +24,14 @@ class EarlyExitStartup:
         settings = plugin_settings(vllm_config)  # raises ValueError naming the field
         exits = settings.exits
         spec = vllm_config.speculative_config
+        if spec is None:
+            spec = stored_lossless_mode(vllm_config)
         if spec is not None:
             logger.info(
                 "ee-transformers: exits off under speculative decoding (%s): drafts are verified at full depth.",
                 spec.method,
             )
             return
-        lookup = requested_values(vllm_config.model_config, ("prompt_lookup_num_tokens",))["prompt_lookup_num_tokens"]
-        if lookup:
-            logger.info(
-                "ee-transformers: the folder stores a lossless mode (prompt_lookup_num_tokens=%s); serve it with "
-                '--speculative-config \'{"method": "custom_class", "model": "%s", "num_speculative_tokens": %s}\'.',
-                lookup,
-                PROPOSER,
-                lookup,
-            )
         if exits is None:
             logger.info("ee-transformers: exits off; the folder is served at full depth by vLLM's own forward.")
             return
@@ -51,6 +44,35 @@ class EarlyExitStartup:
         )
 
 
+def stored_lossless_mode(vllm_config):
+    """The folder's stored lossless mode (`prompt_lookup_num_tokens` > 0 in its generation settings, as calibration
+    writes it) turns on the package's proposer with that many drafts per request, where the user passed no
+    `--speculative-config` of their own (theirs wins); `--override-generation-config '{"prompt_lookup_num_tokens": 0}'`
+    or `--generation-config vllm` keeps it off. Returns the speculative config set, or None."""
+    from vllm.config import SpeculativeConfig
+
+    lookup = requested_values(vllm_config.model_config, ("prompt_lookup_num_tokens",))["prompt_lookup_num_tokens"]
+    if lookup is None or lookup == 0:
+        return None
+    if isinstance(lookup, bool) or not isinstance(lookup, int) or lookup < 0:
+        raise ValueError(f"`prompt_lookup_num_tokens` must be a non-negative integer, got {lookup!r}.")
+    vllm_config.speculative_config = SpeculativeConfig(
+        method="custom_class",
+        model=PROPOSER,
+        num_speculative_tokens=lookup,
+        target_model_config=vllm_config.model_config,
+        target_parallel_config=vllm_config.parallel_config,
+    )
+    logger.info(
+        "ee-transformers: the folder stores a lossless mode (prompt_lookup_num_tokens=%s): serving with the "
+        "package's proposer (speculative_config %s); pass --speculative-config to choose another, or "
+        "--override-generation-config '{\"prompt_lookup_num_tokens\": 0}' to serve without drafts.",
+        lookup,
+        {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": lookup},
+    )
+    return vllm_config.speculative_config
+
+
 def register_startup_checks(architectures) -> None:
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP
 
@@ -58,4 +80,4 @@ def register_startup_checks(architectures) -> None:
         MODELS_CONFIG_MAP.setdefault(arch, EarlyExitStartup)
 
 
-__all__ = ["EarlyExitStartup", "register_startup_checks"]
+__all__ = ["EarlyExitStartup", "register_startup_checks", "stored_lossless_mode"]

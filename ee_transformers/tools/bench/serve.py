@@ -13,8 +13,10 @@ by `vllm_python` (an environment with vLLM: `scripts/setup.sh --vllm`), in vLLM'
 `vllm_modes` `eager`, with `--enforce-eager` too:
 
 * vllm-plain: `vllm serve BASE`;
-* vllm-off: `vllm serve FOLDER` with exits off (`--override-generation-config '{"early_exit": false}'`);
-* vllm-stored: `vllm serve FOLDER` with the folder's stored (calibrated) exit settings;
+* vllm-off: `vllm serve FOLDER` with exits and drafts off (`--override-generation-config '{"early_exit": false,
+  "prompt_lookup_num_tokens": 0}'`);
+* vllm-stored: `vllm serve FOLDER` with the folder's stored (calibrated) settings: its exits, or its lossless mode
+  (our proposer, which the plugin turns on for a stored `prompt_lookup_num_tokens`);
 * vllm-ngram: `vllm serve BASE` with vLLM's own prompt lookup (`ngram`, 4 drafts, n-grams of 2 to 4);
 * vllm-drafts: `vllm serve FOLDER` with the package's drafter as vLLM's proposer (`ee_transformers/vllm/proposer.py`;
   the folder's stored `prompt_lookup_num_tokens` drafts at most, else 4), exits off;
@@ -269,9 +271,10 @@ def _vllm_argv(kind: str, model: str, base: str, config: ServeBenchConfig, mode:
     # version of a distribution named `vllm`), so its module entry point is run instead
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", served, "--dtype", "float32"]
     argv += ["--max-model-len", str(config.longest_request() + 64), "--served-model-name", served]
-    override = {"vllm-off": {"early_exit": False}}.get(kind)
-    if kind in VLLM_FORCED:
-        override = {"ee_forced_profile": {"0.5": VLLM_FORCED[kind], "1.0": 1.0 - VLLM_FORCED[kind]}}
+    override = {"vllm-off": {"early_exit": False, "prompt_lookup_num_tokens": 0}}.get(kind)
+    if kind in VLLM_FORCED:  # no stored lossless mode either: it would turn the proposer on and the exits off
+        shares = {"0.5": VLLM_FORCED[kind], "1.0": 1.0 - VLLM_FORCED[kind]}
+        override = {"ee_forced_profile": shares, "prompt_lookup_num_tokens": 0}
     if override is not None:
         argv += ["--override-generation-config", json.dumps(override)]
     if kind in VLLM_DRAFTS:
