@@ -75,9 +75,14 @@ def test_final_screen_shows_the_stored_setting_with_calibrations_measured_speed(
     assert "0.98x (lower quartile 0.95x)" in stored and not any("closest setting" in line for line in lines)
 
 
-def test_final_screen_times_the_lossless_setting_and_transformers_prompt_lookup(base_dirs):
+def test_final_screen_times_the_lossless_setting_and_transformers_prompt_lookup(base_dirs, monkeypatch):
+    from ee_transformers import drafts
     from ee_transformers.tools.demo import gains
     from ee_transformers.training import calibrate_lossless as lossless
+
+    # the gate prices drafts from this machine's timings, and under load it may draft nothing in a run, so that a row
+    # has no acceptance to show: drafting that gains anything is taken here, and the screen's rows are what is tested
+    monkeypatch.setattr(drafts, "MARGIN", 0.0)
 
     model = model_with(base_dirs, seed=5)
     plain = bench.plain_twin(model)
