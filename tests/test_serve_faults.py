@@ -170,8 +170,10 @@ def test_disconnected_clients_give_their_blocks_back(server):
         state, waited = wait_idle(server)
         waits.append(waited)
         assert state["free_blocks"] == start["free_blocks"] and state["free_kv_bytes"] == start["free_kv_bytes"]
-    # cancelled, not run to the end: each request was idle far sooner than 250 tokens take
-    assert max(waits) < full / 2, (waits, full)
+    # cancelled, not run to the end: run to the end, each would stay busy for most of `full` (the timed-out ones for
+    # three quarters of it), twelve of them for about 11 x full; a stall of this loaded host may hold up one (0.64 s
+    # of 1.13 in a CI run), so the typical request and the total are what is asserted, not the slowest
+    assert sorted(waits)[len(waits) // 2] < full / 4 and sum(waits) < 3 * full, (waits, full)
     assert complete(server).choices[0].text.strip()
     assert "Traceback" not in server.log_path.read_text()
 
