@@ -31,6 +31,7 @@ def main():
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--drafts", type=int, default=4, help="num_speculative_tokens of ours")
+    parser.add_argument("--gate", choices=("on", "off"), default="on", help="ours: the cost gate (off: every draft)")
     parser.add_argument("--out", default="vllm-drafts-probe")
     args = parser.parse_args()
 
@@ -55,6 +56,7 @@ def main():
         distributed_executor_backend="uni",
         enable_prefix_caching=False,
         speculative_config=spec,
+        override_generation_config={"speculative_gate": False} if args.which == "ours" and args.gate == "off" else {},
     )
     params = SamplingParams(max_tokens=64, min_tokens=64, temperature=0)
     llm.generate(texts[:1], params, use_tqdm=False)  # warm-up
@@ -67,7 +69,13 @@ def main():
     line = {"which": args.which, "batch": args.batch, "tokens_per_s": round(sum(map(len, tokens)) / seconds, 1)}
     if args.which == "ours":
         proposer = llm.llm_engine.model_executor.driver_worker.worker.model_runner.drafter
-        line.update(proposer.stats(), fit=proposer.drafter.packed.coefficients())
+        line.update(proposer.stats(), gate=args.gate, fit=proposer.drafter.packed.coefficients())
+        by_width = {}  # the timed steps' seconds by scheduled tokens: what a drafted position costs here
+        for features, step_seconds in proposer.drafter.packed.samples:
+            by_width.setdefault(int(features[1]), []).append(step_seconds)
+        line["step_ms_by_tokens"] = {
+            w: [len(v), round(1e3 * sorted(v)[len(v) // 2], 1)] for w, v in sorted(by_width.items())
+        }
     llm.llm_engine.engine_core.shutdown()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
