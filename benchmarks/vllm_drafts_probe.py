@@ -5,8 +5,11 @@ on the same held-out prompts (BENCHMARKS.md section 7; issue 47).
 
 One engine per process (run it once per `--which`): eager mode, fp32, greedy, 64 new tokens for each of `--requests`
 held-out passages of the Python manual (the prompts bench-serve sends), submitted `--batch` at a time, after one
-warm-up request. Prints tokens/s over the timed batches and, for ours, the proposer's counts and its step-cost fit;
-writes the tokens to `--out/{which}-{batch}.json` so that the runs' texts can be compared.
+warm-up request; with `--max-seqs` below `--batch` the rest of a batch waits for a seat (a steady load: a request
+that finishes gives its seat to the next). `--override` sets stored settings of ours the way
+`--override-generation-config` does (e.g. '{"speculative_table_drafts": false}'). Prints tokens/s over the timed
+batches and, for ours, the proposer's counts, its step-cost fit and its timed steps by width; writes the tokens
+to `--out/{which}-{batch}.json` so that the runs' texts can be compared.
 """
 
 import argparse
@@ -32,6 +35,12 @@ def main():
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--drafts", type=int, default=4, help="num_speculative_tokens of ours")
     parser.add_argument("--gate", choices=("on", "off"), default="on", help="ours: the cost gate (off: every draft)")
+    parser.add_argument(
+        "--max-seqs", type=int, default=32, help="vLLM's max_num_seqs: below --batch, the rest of a batch waits in line"
+    )
+    parser.add_argument(
+        "--override", default="{}", help="ours: JSON of stored settings to override (vLLM's precedence)"
+    )
     parser.add_argument("--out", default="vllm-drafts-probe")
     args = parser.parse_args()
 
@@ -46,17 +55,20 @@ def main():
         "ngram": (args.base, NGRAM),
         "ours": (args.model, {**PROPOSER, "num_speculative_tokens": args.drafts}),
     }[args.which]
+    overrides = json.loads(args.override) if args.which == "ours" else {}
+    if args.which == "ours" and args.gate == "off":
+        overrides["speculative_gate"] = False
     llm = LLM(
         model,
         dtype="float32",
         enforce_eager=True,
         max_model_len=256,
-        max_num_seqs=32,
+        max_num_seqs=args.max_seqs,
         seed=0,
         distributed_executor_backend="uni",
         enable_prefix_caching=False,
         speculative_config=spec,
-        override_generation_config={"speculative_gate": False} if args.which == "ours" and args.gate == "off" else {},
+        override_generation_config=overrides,
     )
     params = SamplingParams(max_tokens=64, min_tokens=64, temperature=0)
     llm.generate(texts[:1], params, use_tqdm=False)  # warm-up
@@ -66,7 +78,9 @@ def main():
         answers = llm.generate(texts[i : i + args.batch], params, use_tqdm=False)
         seconds += time.perf_counter() - start
         tokens += [list(a.outputs[0].token_ids) for a in answers]
-    line = {"which": args.which, "batch": args.batch, "tokens_per_s": round(sum(map(len, tokens)) / seconds, 1)}
+    line = {"which": args.which, "batch": args.batch, "max_seqs": args.max_seqs}
+    line["tokens_per_s"] = round(sum(map(len, tokens)) / seconds, 1)
+    line["async_scheduling"] = llm.llm_engine.vllm_config.scheduler_config.async_scheduling  # off with uni, here
     if args.which == "ours":
         proposer = llm.llm_engine.model_executor.driver_worker.worker.model_runner.drafter
         line.update(proposer.stats(), gate=args.gate, fit=proposer.drafter.packed.coefficients())
