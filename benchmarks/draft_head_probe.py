@@ -314,7 +314,9 @@ def main():
         flush=True,
     )
     result = {
-        "settings": vars(args) | {"windows": windows, "block": BLOCK, "prompt": PROMPT, "new": NEW, "K": K},
+        "settings": vars(args)
+        | {"model": args.model.replace(str(Path.home()), "~", 1), "out": Path(args.out).name}  # no machine's paths
+        | {"windows": windows, "block": BLOCK, "prompt": PROMPT, "new": NEW, "K": K},
         "hidden_state": "last decoder layer output, before the final norm (input of model.model.norm)",
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
         "feature_seconds": round(feature_s, 1),
