@@ -57,12 +57,10 @@ def final_states(model, ids):
 
 def training_blocks(domain, count, tokenizer):
     """`count` blocks of BLOCK tokens starting (at a word) at evenly spaced points of the training text."""
-    text = assets.fetch_text(progress=False)
-    if domain == "austen":
-        novels = {Path(p).stem: p for p in text["austen"]}
-        source = "\n\n".join(Path(novels[n]).read_text(encoding="utf-8") for n in assets.AUSTEN_TRAIN)
+    if domain == "austen":  # the five training novels, as the main job fits on them
+        source = "\n\n".join(assets.training_texts()[:-1])
     else:
-        source = text_slice(text["python"][0], (0.0, 0.7), 10**10)
+        source = text_slice(assets.fetch_text(progress=False)["python"][0], (0.0, 0.7), 10**10)
     chunk, blocks = 8 * BLOCK, []  # characters: comfortably more than BLOCK tokens
     step = max((len(source) - chunk) // count, 1)
     for k in range(count):

@@ -15,6 +15,7 @@ to `--out/{which}-{batch}.json` so that the runs' texts can be compared.
 import argparse
 import json
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -34,15 +35,18 @@ def main():
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--drafts", type=int, default=4, help="num_speculative_tokens of ours")
-    parser.add_argument("--gate", choices=("on", "off"), default="on", help="ours: the cost gate (off: every draft)")
     parser.add_argument(
         "--max-seqs", type=int, default=32, help="vLLM's max_num_seqs: below --batch, the rest of a batch waits in line"
     )
     parser.add_argument(
-        "--override", default="{}", help="ours: JSON of stored settings to override (vLLM's precedence)"
+        "--override",
+        default=None,
+        help="ours: JSON of stored settings to override, vLLM's precedence ('{\"speculative_gate\": false}': every draft)",
     )
     parser.add_argument("--out", default="vllm-drafts-probe")
     args = parser.parse_args()
+    if args.override is not None and args.which != "ours":
+        parser.error(f"--override sets the folder's stored settings: it applies to --which ours, not {args.which}")
 
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
@@ -55,9 +59,6 @@ def main():
         "ngram": (args.base, NGRAM),
         "ours": (args.model, {**PROPOSER, "num_speculative_tokens": args.drafts}),
     }[args.which]
-    overrides = json.loads(args.override) if args.which == "ours" else {}
-    if args.which == "ours" and args.gate == "off":
-        overrides["speculative_gate"] = False
     llm = LLM(
         model,
         dtype="float32",
@@ -68,7 +69,7 @@ def main():
         distributed_executor_backend="uni",
         enable_prefix_caching=False,
         speculative_config=spec,
-        override_generation_config=overrides,
+        override_generation_config=json.loads(args.override or "{}"),
     )
     params = SamplingParams(max_tokens=64, min_tokens=64, temperature=0)
     llm.generate(texts[:1], params, use_tqdm=False)  # warm-up
@@ -83,12 +84,12 @@ def main():
     line["async_scheduling"] = llm.llm_engine.vllm_config.scheduler_config.async_scheduling  # off with uni, here
     if args.which == "ours":
         proposer = llm.llm_engine.model_executor.driver_worker.worker.model_runner.drafter
-        line.update(proposer.stats(), gate=args.gate, fit=proposer.drafter.packed.coefficients())
+        line.update(proposer.stats(), gate=proposer.settings.gate, fit=proposer.drafter.packed.coefficients())
         by_width = {}  # the timed steps' seconds by scheduled tokens: what a drafted position costs here
         for features, step_seconds in proposer.drafter.packed.samples:
             by_width.setdefault(int(features[1]), []).append(step_seconds)
         line["step_ms_by_tokens"] = {
-            w: [len(v), round(1e3 * sorted(v)[len(v) // 2], 1)] for w, v in sorted(by_width.items())
+            w: [len(v), round(1e3 * statistics.median_high(v), 1)] for w, v in sorted(by_width.items())
         }
     llm.llm_engine.engine_core.shutdown()
     out = Path(args.out)

@@ -1,6 +1,8 @@
 """Issue 27: the draft heart (drafts.py) - the history index of earlier generations, acceptance learned per draft kind
 and row, measured step costs, and the never-slower gate - and what `generate` does with it."""
 
+import random
+
 import pytest
 import torch
 from conftest import LayerCalls, padded_batch
@@ -165,6 +167,21 @@ def test_packed_costs_separate_tokens_logits_rows_and_attention():
     for t in range(1, 20):  # seconds that shrink with the tokens: no coefficient below zero predicts less than 0
         never_negative.observe(t, t, t, 1.0 / t)
     assert all(b >= 0 for b in never_negative.coefficients()) and never_negative.cost(100, 100, 100) >= 0
+
+
+def test_packed_costs_price_a_draft_linearly_when_drafted_steps_share_one_width():
+    # batch 1: plain steps of 1 token and drafted steps of 5 only, so the drafted-step term cannot be told apart from
+    # the tokens'; the fit must not put the 4 drafts' extra seconds on that term (a single draft priced like four)
+    rng = random.Random(0)
+    packed = PackedCosts(StepCosts())
+    for keys in range(100, 160):
+        packed.observe(1, 1, keys, 0.0609 * rng.uniform(0.97, 1.03))
+        packed.observe(5, 5, keys + 4, 0.0842 * rng.uniform(0.97, 1.03), drafted=True)
+    assert packed.coefficients()[4] == pytest.approx(0.0, abs=1e-4)
+    plain, drafted = packed.cost(1, 1, 150), [packed.cost(1 + n, 1 + n, 150 + n, drafted=True) for n in range(1, 5)]
+    assert drafted[-1] == pytest.approx(0.0842, rel=0.02)
+    steps = [b - a for a, b in zip([plain, *drafted], drafted)]
+    assert max(steps) == pytest.approx(min(steps), rel=0.05)  # each draft adds the same, a quarter of four's
 
 
 def test_the_padded_gate_drafts_only_where_it_pays():
